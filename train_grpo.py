@@ -1,0 +1,897 @@
+"""GRPO in one file: rollout -> reward -> advantage -> log-probs -> loss -> update -> log/save.
+
+Read it top to bottom beside notebook.ipynb; the math is in GRPO_SPEC.md and every formula has a test.
+
+    python train_grpo.py                                        # offline: tiny model, built-in task
+    torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo on CPU, nccl on GPU)
+    python train_grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset gsm8k
+
+`import train_grpo` runs nothing: the functions below are what the tests and the notebook import.
+"""
+
+import argparse
+import dataclasses
+import glob
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DistributedSampler
+from tqdm import tqdm
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config. Every field is a command-line flag (`--name value`); its help text is the comment beside it.
+# ----------------------------------------------------------------------------------------------------
+def opt(default, help, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Args:
+    # what to train
+    loss_type: str = opt("grpo", "normalization of the per-token objective (GRPO_SPEC step 9)", choices=LOSS_TYPES)
+    use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint is MoE)", choices=(0, 1))
+    rollout_engine: str = opt("torch", "how completions are sampled; only 'torch' (model.generate) exists")
+    model_name_or_path: str = opt("", "hub name or local dir for from_pretrained; empty: build a tiny model")
+    dataset: str = opt("", "gsm8k, a hub dataset, or a .jsonl/.json/.parquet file; empty: built-in task")
+    question_field: str = opt("question", "dataset field holding the prompt text")
+    answer_field: str = opt("answer", "dataset field holding the reference answer")
+    reward_weights: str = opt("", "comma-separated weight per reward function; empty: task default")
+    trust_remote_code: int = opt(0, "1: let from_pretrained run code shipped with the model", choices=(0, 1))
+    # rollout
+    num_generations: int = opt(8, "G: completions sampled per prompt (a group)")
+    batch_size: int = opt(16, "B: prompts per rank per step (so B*G rows)")
+    micro_batch_size: int = opt(0, "rows per forward/backward; 0: all B*G rows at once")
+    max_prompt_len: int = opt(256, "prompt tokens kept (longer prompts are left-truncated)")
+    max_gen_len: int = opt(8, "L_max: new tokens per completion")
+    temperature: float = opt(1.0, "sampling temperature (log-probs use the same one)")
+    top_p: float = opt(1.0, "nucleus sampling threshold")
+    top_k: int = opt(0, "top-k sampling; 0: off")
+    mask_truncated_completions: int = opt(0, "1: completions that never emit EOS get a zero mask", choices=(0, 1))
+    # objective
+    beta: float = opt(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
+    epsilon: float = opt(0.2, "lower clip: ratio >= 1 - epsilon")
+    epsilon_high: float = opt(-1.0, "upper clip (cispo: weight cap); < 0: epsilon (cispo: 5.0)")
+    num_iterations: int = opt(1, "mu: updates per rollout; > 1 computes old log-probs once per rollout")
+    scale_rewards: str = opt("group", "advantage divisor: group std, batch std or none", choices=("group", "batch", "none"))
+    # entropy (GRPO_SPEC steps 10-11)
+    entropy_chunk_size: int = opt(128, "rows of logits per chunk when computing entropy")
+    logp_chunk_size: int = opt(64, "sequence positions per lm_head chunk for log-probs (recomputed in backward)")
+    entropy_coef: float = opt(0.0, "static entropy bonus alpha (negative pushes entropy down); start value if adaptive")
+    use_adaptive_entropy: int = opt(0, "1: adapt the coefficient toward --entropy_target (Skywork-OR1)", choices=(0, 1))
+    entropy_target: float = opt(0.2, "adaptive: target world entropy (nats per token)")
+    entropy_coef_delta: float = opt(1e-4, "adaptive: coefficient step per optimizer step")
+    entropy_coef_min: float = opt(0.0, "adaptive: lower bound of the coefficient")
+    entropy_coef_max: float = opt(0.005, "adaptive: upper bound of the coefficient")
+    # optimization
+    max_steps: int = opt(60, "GRPO optimizer steps")
+    learning_rate: float = opt(2e-3, "AdamW learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    lr_scheduler: str = opt("constant", "constant or cosine, after linear warmup", choices=("constant", "cosine"))
+    warmup_steps: int = opt(0, "linear learning-rate warmup steps")
+    grad_clip: float = opt(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
+    gradient_checkpointing: int = opt(0, "1: recompute transformer layers in backward", choices=(0, 1))
+    sft_warmup_steps: int = opt(40, "built-in task only: supervised steps before the first eval and GRPO")
+    # bookkeeping
+    seed: int = opt(0, "seed for model init, data order and sampling")
+    save_dir: str = opt("runs/grpo", "metrics.jsonl, checkpoints and the final model go here")
+    save_interval: int = opt(0, "write checkpoint-<step> every N steps; 0: only at the end")
+    resume: str = opt("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
+    eval_interval: int = opt(20, "held-out greedy accuracy every N steps (and before/after training)")
+    eval_size: int = opt(256, "held-out prompts (built-in task, or files without a test split)")
+    dtype: str = opt("float32", "model dtype", choices=("float32", "bfloat16", "float16"))
+    device: str = opt("auto", "auto, cpu, cuda")
+    stop_after: int = opt(0, "stop (as if interrupted) after this step; 0: run to max_steps")
+
+
+class TrainerError(Exception):
+    """A problem with the user's input: reported as one line, never a traceback."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv=None):
+    parser = OneLineParser(description="GRPO trainer (see GRPO_SPEC.md)")
+    for f in dataclasses.fields(Args):
+        parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default,
+                            choices=f.metadata.get("choices"), help=f.metadata["help"])
+    args = Args(**vars(parser.parse_args(argv)))
+    if args.rollout_engine != "torch":
+        parser.error(f"--rollout_engine {args.rollout_engine} is not available; the only engine is 'torch'")
+    if args.num_generations < 2:
+        parser.error("--num_generations must be >= 2 (a group of one has no baseline)")
+    for name in ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
+                 "logp_chunk_size", "entropy_chunk_size"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.micro_batch_size < 0 or (args.micro_batch_size and (args.batch_size * args.num_generations) % args.micro_batch_size):
+        parser.error("--micro_batch_size must divide batch_size * num_generations")
+    if args.epsilon_high < 0:
+        args.epsilon_high = 5.0 if args.loss_type == "cispo" else args.epsilon
+    if args.resume not in ("", "auto") and not os.path.isdir(args.resume):
+        parser.error(f"--resume {args.resume}: no such checkpoint directory")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model, tokenizer and data
+# ----------------------------------------------------------------------------------------------------
+def build_char_tokenizer(chars):
+    """A character-level tokenizer made in-process: one token per character, plus <pad> <eos> <unk>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + list(chars))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
+    tok.decoder = decoders.Fuse()  # decode joins characters without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def build_tiny_model(vocab_size, use_moe, tokenizer):
+    """A ~0.1M-parameter Qwen3 (dense) or Qwen3-MoE causal LM from a config: no download."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=True,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    if use_moe:
+        config = Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                decoder_sparse_step=1, router_aux_loss_coef=0.01, output_router_logits=True, **common)
+        return Qwen3MoeForCausalLM(config)
+    return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common))
+
+
+# The built-in task: reverse a string of letters, "cabd=" -> "dbac". Its reward is checked by code (the
+# share of characters in the right place), it has a held-out split of strings never trained on, and a
+# 2-layer model can solve it, so a few minutes on a CPU show whether the algorithm learns.
+REVERSE_ALPHABET = "abcdefgh"
+REVERSE_LEN = 5
+
+
+def make_reverse_task(eval_size, seed=1234):
+    rng = random.Random(seed)
+    strings = set()
+    while len(strings) < 6000:
+        strings.add("".join(rng.choice(REVERSE_ALPHABET) for _ in range(REVERSE_LEN)))
+    rows = [{"prompt": s + "=", "answer": s[::-1]} for s in sorted(strings)]
+    rng.shuffle(rows)
+    return rows[eval_size:], rows[:eval_size]
+
+
+def reverse_reward(completion, answer):
+    # r = (characters in the right place) / max(len(completion), len(answer)); 1.0 only for an exact match
+    hits = sum(a == b for a, b in zip(completion, answer))
+    return hits / max(len(completion), len(answer), 1)
+
+
+def reverse_correct(completion, answer):
+    return completion == answer
+
+
+# GSM8K: the reference is the number after "####". The model is asked to end with the same form.
+GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer alone on the "
+                       "last line as '#### <number>'.")
+_NUMBER = r"-?[$]?\s*-?\d[\d,]*(?:\.\d+)?"
+
+
+def parse_number(text):
+    """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact: no float rounding, no eval."""
+    if text is None:
+        return None
+    t = text.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    neg = t.startswith("-")
+    t = t.lstrip("-")
+    if not re.fullmatch(r"\d+(?:\.\d+)?", t):
+        return None
+    value = Fraction(t)
+    return -value if neg else value
+
+
+def extract_final_answer(completion):
+    """The completion's answer: a tagged '#### N' (or \\boxed{N}, 'answer is N') wins; else the last number."""
+    for pattern in (r"####\s*(" + _NUMBER + ")", r"\\boxed\{\s*(" + _NUMBER + r")\s*\}",
+                    r"answer is[:\s]*(" + _NUMBER + ")"):
+        found = re.findall(pattern, completion, flags=re.IGNORECASE)
+        if found:
+            return parse_number(found[-1])
+    numbers = re.findall(_NUMBER, completion)
+    return parse_number(numbers[-1]) if numbers else None
+
+
+def gsm8k_reference(answer):
+    """GSM8K's worked answer ends with '#### N'; a bare number is accepted too."""
+    return parse_number(answer.split("####")[-1])
+
+
+def gsm8k_correct_reward(completion, answer):
+    # 1.0 if the completion's final answer equals the reference number, else 0.0
+    predicted, reference = extract_final_answer(completion), gsm8k_reference(answer)
+    return float(predicted is not None and predicted == reference)
+
+
+def gsm8k_format_reward(completion, answer):
+    # 1.0 if the completion ends with a line '#### <number>', else 0.0
+    return float(re.search(r"####\s*" + _NUMBER + r"\s*$", completion.strip()) is not None)
+
+
+def gsm8k_correct(completion, answer):
+    return gsm8k_correct_reward(completion, answer) == 1.0
+
+
+def load_rows(args):
+    """Local .jsonl/.json/.parquet or a hub dataset through `datasets.load_dataset`: (train, eval) rows."""
+    import datasets
+    name = args.dataset
+    local = name.endswith((".jsonl", ".json", ".parquet")) or name.startswith((".", "/", "~"))
+    if local:
+        path = os.path.expanduser(name)
+        if not os.path.isfile(path):
+            raise TrainerError(f"--dataset {name}: no such file")
+        builder = "parquet" if path.endswith(".parquet") else "json"
+        try:
+            splits = datasets.load_dataset(builder, data_files=path)
+        except Exception as e:  # a malformed file: say which, in one line
+            raise TrainerError(f"--dataset {name}: could not be read ({type(e).__name__}: {str(e).splitlines()[0]})")
+    else:
+        hub_name, config = ("openai/gsm8k", "main") if name == "gsm8k" else (name, None)
+        try:
+            splits = datasets.load_dataset(hub_name, config)
+        except Exception as e:
+            raise TrainerError(f"--dataset {name}: could not load {hub_name} ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''})")
+    train = splits["train"] if "train" in splits else splits[list(splits)[0]]
+    missing = [f for f in (args.question_field, args.answer_field) if f not in train.column_names]
+    if missing:
+        raise TrainerError(f"--dataset {name}: missing field(s) {', '.join(missing)} (has {', '.join(train.column_names)}); "
+                           f"set --question_field/--answer_field")
+    if len(train) == 0:
+        raise TrainerError(f"--dataset {name}: the dataset is empty")
+    rows = [{"question": r[args.question_field], "answer": str(r[args.answer_field])} for r in train]
+    if "test" in splits:
+        return rows, [{"question": r[args.question_field], "answer": str(r[args.answer_field])} for r in splits["test"]]
+    n_eval = min(args.eval_size, len(rows) // 10) if len(rows) >= 10 else 0
+    return rows[n_eval:], rows[:n_eval]
+
+
+def format_prompt(tokenizer, question):
+    """Through the chat template when the tokenizer has one (system prompt + question), plain text otherwise."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
+
+
+def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
+    """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
+    Returns input_ids [B, P], attention_mask [B, P] and how many prompts were cut."""
+    ids = [tokenizer(p, add_special_tokens=not getattr(tokenizer, "chat_template", None)).input_ids for p in prompts]
+    n_cut = sum(len(x) > max_prompt_len for x in ids)
+    ids = [x[-max_prompt_len:] for x in ids]
+    width = max(len(x) for x in ids)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+    return input_ids, attention_mask, n_cut
+
+
+def unwrap(model):
+    return model.module if isinstance(model, DDP) else model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rollout (GRPO_SPEC step 2): sample on the *unwrapped* module, in eval mode, without a graph.
+# ----------------------------------------------------------------------------------------------------
+def completion_mask(completion_ids, eos_token_id):
+    # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after
+    is_eos = completion_ids == eos_token_id                                        # [rows, T]
+    T = completion_ids.shape[1]
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
+    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
+    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)          # mask [rows, T], truncated [rows]
+
+
+@torch.no_grad()
+def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
+            temperature=1.0, top_p=1.0, top_k=0):
+    """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T], truncated [rows]."""
+    was_training = policy.training
+    policy.eval()
+    out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_gen_len,
+                          do_sample=do_sample, temperature=temperature if do_sample else None,
+                          top_p=top_p if do_sample else None, top_k=top_k if do_sample else None,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    policy.train(was_training)
+    completion_ids = out[:, input_ids.shape[1]:]                                  # [rows, T <= max_gen_len]
+    if completion_ids.shape[1] == 0:  # cannot happen with max_gen_len >= 1, but keep shapes honest
+        completion_ids = torch.full((out.shape[0], 1), tokenizer.pad_token_id, device=out.device)
+    mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
+    return completion_ids, mask, truncated
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
+            for ids, m in zip(completion_ids, mask)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reward and advantage (GRPO_SPEC steps 3-4)
+# ----------------------------------------------------------------------------------------------------
+def compute_rewards(reward_fns, weights, completions, answers, prompts):
+    # r_i = sum_k w_k * reward_k(o_i, answer_i); a reward that raises is an error naming the sample
+    rewards = torch.zeros(len(completions))
+    for fn, w in zip(reward_fns, weights):
+        for i, (c, a) in enumerate(zip(completions, answers)):
+            try:
+                rewards[i] += w * float(fn(c, a))
+            except Exception as e:
+                raise TrainerError(f"reward {fn.__name__} raised on sample {i} (prompt {prompts[i][-60:]!r}, "
+                                   f"completion {c[:60]!r}): {type(e).__name__}: {e}") from None
+    return rewards
+
+
+def compute_advantages(rewards, num_generations, scale_rewards="group"):
+    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4); std is the unbiased sample std, as in TRL
+    grouped = rewards.view(-1, num_generations)                                   # [B, G]
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_rewards == "group":
+        centered = centered / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    elif scale_rewards == "batch":
+        centered = centered / (rewards.std() + 1e-4)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
+    return centered.reshape(-1)                                                   # [B*G]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Log-probs and entropy (GRPO_SPEC steps 5-7, 10)
+# ----------------------------------------------------------------------------------------------------
+def selective_log_softmax(logits, index):
+    # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax
+    shape = index.shape
+    logits, index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1)      # [N, V], [N]
+    out = []
+    for s in range(0, logits.shape[0], 1024):
+        z = logits[s:s + 1024].float()
+        out.append(z.gather(-1, index[s:s + 1024, None]).squeeze(-1) - torch.logsumexp(z, dim=-1))
+    return torch.cat(out).view(shape)
+
+
+def entropy_from_logits(logits, chunk_size=128):
+    # H = logsumexp(z) - sum_v softmax(z)_v * z_v, over chunks of rows of the flattened [N, V] logits
+    flat = logits.reshape(-1, logits.shape[-1])                                   # [N, V]
+    chunks = []
+    for s in range(0, flat.shape[0], chunk_size):
+        z = flat[s:s + chunk_size].float()
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
+    return torch.cat(chunks).view(logits.shape[:-1])                              # logits.shape without V
+
+
+def _chunk_logps_entropy(lm_head, hidden, targets, temperature, entropy_grad, entropy_chunk_size):
+    """One sequence chunk: hidden [rows, c, H] -> logits [rows, c, V] (exists only inside this chunk)."""
+    logits = lm_head(hidden).float() / temperature
+    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        # only logged: no graph at all (detached, no_grad); a bonus: in the graph, recomputed in backward
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), entropy_chunk_size)
+    return logps, entropy
+
+
+def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
+                     chunk_size=64, entropy_grad=False, entropy_chunk_size=128):
+    """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states through lm_head
+    in chunks of the sequence, so [rows, T, V] logits never exist at once. Call it with the DDP-wrapped model:
+    its forward is what makes DDP all-reduce the gradients.
+
+    Returns logps [rows, T], entropy [rows, T] (graph only if entropy_grad), router aux loss (MoE) or None."""
+    T = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                   # as generate() computes them
+    moe = hasattr(unwrap(model).config, "router_aux_loss_coef")
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                output_hidden_states=True, logits_to_keep=1, **({"output_router_logits": True} if moe else {}))
+    hidden = out.hidden_states[-1][:, -T - 1:-1, :]                               # [rows, T, H]: state before token t
+    targets = input_ids[:, -T:]                                                   # [rows, T]
+    lm_head = unwrap(model).get_output_embeddings()
+    logps, entropy = [], []
+    for s in range(0, T, chunk_size):
+        h, y = hidden[:, s:s + chunk_size], targets[:, s:s + chunk_size]
+        if torch.is_grad_enabled():  # keep only the chunk's inputs; recompute its logits in backward
+            lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, temperature, entropy_grad,
+                                 entropy_chunk_size, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logps_entropy(lm_head, h, y, temperature, False, entropy_chunk_size)
+        logps.append(lp)
+        entropy.append(ent)
+    aux = getattr(out, "aux_loss", None) if moe else None
+    return torch.cat(logps, 1), torch.cat(entropy, 1), aux
+
+
+# ----------------------------------------------------------------------------------------------------
+# The objective (GRPO_SPEC steps 8-9, 11)
+# ----------------------------------------------------------------------------------------------------
+def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1, accum_steps=1):
+    """Turn a per-token quantity [rows, T] into the scalar the loss uses (GRPO_SPEC step 9's table)."""
+    total = per_token * mask
+    if loss_type == "grpo":     # mean_i [ sum_t L m / max(sum_t m, 1) ] / S
+        return (total.sum(1) / mask.sum(1).clamp(min=1)).mean() / accum_steps
+    if loss_type == "bnpo":     # sum L m / max(sum m, 1) / S   (this rank's micro-batch)
+        return total.sum() / mask.sum().clamp(min=1) / accum_steps
+    if loss_type == "dr_grpo":  # sum L m / (rows * L_max) / S
+        return total.sum() / (mask.shape[0] * (max_gen_len or mask.shape[1])) / accum_steps
+    if loss_type in ("dapo", "cispo"):  # sum L m / (N / world_size): N = masked tokens of the whole step, all ranks
+        n = num_items if num_items is not None else mask.sum()
+        return total.sum() / max(float(n) / world_size, 1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
+
+
+def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high, ref_logps=None, beta=0.0,
+              max_gen_len=None, num_items=None, world_size=1, entropy=None, entropy_coef=0.0, accum_steps=1):
+    """logps/old_logps/ref_logps/mask/entropy: [rows, T]; advantages: [rows]. Returns (loss, stats).
+    old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy."""
+    assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) in the graph has zero gradient"
+    mask = mask.to(logps.dtype)
+    A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
+    ratio = torch.exp(logps - old_logps)                                          # r = exp(logp - old): value 1 on-policy, grad r * dlogp
+    if loss_type == "cispo":
+        # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free importance weight on a REINFORCE term
+        policy = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
+        clipped = ratio > epsilon_high
+    else:
+        # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
+        policy = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
+        clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
+    per_token = policy
+    norm = dict(loss_type=loss_type, max_gen_len=max_gen_len, num_items=num_items, world_size=world_size,
+                accum_steps=accum_steps)
+    stats = {}
+    if beta > 0:
+        # k3: KL = exp(ref - logp) - (ref - logp) - 1, added as + beta * KL
+        delta = ref_logps - logps
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + beta * kl
+        stats["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
+    if entropy is not None and entropy_coef != 0.0:
+        per_token = per_token - entropy_coef * entropy                            # loss <- loss - alpha * H
+    loss = aggregate(per_token, mask, **norm)
+    stats["policy_loss"] = aggregate(policy.detach(), mask, **norm)
+    stats["clip_ratio"] = (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
+    return loss, stats
+
+
+def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_max):
+    # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min); applied alpha = c if H_w < target else 0
+    if world_entropy < target:
+        new = min(coef + delta, coef_max)
+        return new, new
+    return max(coef - delta, coef_min), 0.0
+
+
+def world_sum(*values, device="cpu"):
+    """Sum float values over all ranks (identity in a single process)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints (GRPO_SPEC step 14): HF-format weights + trainer state, written to a temp dir then renamed.
+# ----------------------------------------------------------------------------------------------------
+def rng_state():
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank):
+    """save_dir/checkpoint-<step>/: model.safetensors + config + tokenizer, trainer_state.pt, rng_state_<rank>.pt."""
+    final = os.path.join(save_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
+    if rank == 0:
+        unwrap(model).save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
+    barrier()
+    if rank == 0:
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # a crash before this line leaves the previous checkpoint as it was
+    barrier()
+    return final
+
+
+def find_checkpoint(save_dir):
+    done = [p for p in glob.glob(os.path.join(save_dir, "checkpoint-*")) if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))]
+    return max(done, key=lambda p: int(p.rsplit("-", 1)[1])) if done else None
+
+
+def load_weights(model, ckpt):
+    """Load checkpoint weights, refusing one saved from a model of another shape."""
+    from safetensors.torch import load_file
+    path = os.path.join(ckpt, "model.safetensors")
+    if not os.path.isfile(path):
+        raise TrainerError(f"checkpoint {ckpt} has no model.safetensors")
+    saved, own = load_file(path), model.state_dict()
+    for k, v in saved.items():
+        if k not in own or own[k].shape != v.shape:
+            theirs = tuple(own[k].shape) if k in own else "absent"
+            raise TrainerError(f"checkpoint {ckpt} is from another model shape: {k} is {tuple(v.shape)} there, {theirs} here")
+    missing = [k for k in own if k not in saved and k not in getattr(model, "_tied_weights_keys", {}) and "lm_head" not in k]
+    if missing:
+        raise TrainerError(f"checkpoint {ckpt} is from another model: it lacks {missing[0]} (and {len(missing) - 1} more)")
+    model.load_state_dict(saved, strict=False)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation: greedy accuracy on the held-out split, shared across ranks.
+# ----------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device, batch=256):
+    mine = eval_rows[rank::world]
+    correct = 0
+    for s in range(0, len(mine), batch):
+        rows = mine[s:s + batch]
+        ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device)
+        comp, mask, _ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len, do_sample=False)
+        texts = decode_completions(tokenizer, comp, mask)
+        correct += sum(bool(is_correct(t, r["answer"])) for t, r in zip(texts, rows))
+    c, n = world_sum(correct, len(mine), device=device)
+    return c / max(n, 1)
+
+
+def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
+    """Built-in task only: a few supervised steps (teacher forcing) so the tiny model earns some reward."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    rng = random.Random(args.seed + 7)
+    for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
+        rows = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size * world)][rank::world]
+        ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device)
+        target = torch.tensor([tokenizer(r["answer"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+                               for r in rows], device=device)                     # [B, len+1]
+        logps, _, aux = completion_logps(model, torch.cat([ids, target], 1), torch.cat([am, torch.ones_like(target)], 1),
+                                         target.shape[1], chunk_size=args.logp_chunk_size)
+        loss = -logps.mean() + (aux * unwrap(model).config.router_aux_loss_coef if aux is not None else 0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# main: set-up, then the loop in plain sight
+# ----------------------------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+
+    # --- distributed set-up: torchrun sets RANK/WORLD_SIZE; plain python is one process ---
+    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if ddp:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        use_cuda = torch.cuda.is_available() and args.device != "cpu"
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+    else:
+        rank, world = 0, 1
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    master = rank == 0
+    try:
+        return train(args, rank, world, device, master, ddp)
+    finally:
+        if ddp and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(args, rank, world, device, master, ddp):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    dtype = getattr(torch, args.dtype)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+
+    # --- model and tokenizer ---
+    builtin = not args.model_name_or_path
+    if builtin:
+        tokenizer = build_char_tokenizer(REVERSE_ALPHABET + "=")
+        model = build_tiny_model(len(tokenizer), args.use_moe, tokenizer)
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=bool(args.trust_remote_code))
+            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype,
+                                                         trust_remote_code=bool(args.trust_remote_code))
+        except OSError as e:
+            raise TrainerError(f"--model_name_or_path {args.model_name_or_path}: {str(e).splitlines()[0]}") from None
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        is_moe = hasattr(model.config, "router_aux_loss_coef")
+        if args.use_moe and not is_moe:
+            raise TrainerError(f"--use_moe 1 but {args.model_name_or_path} is a dense model ({model.config.model_type})")
+        if is_moe:
+            model.config.output_router_logits = True  # so the forward returns the router load-balancing loss
+    model.to(device=device, dtype=dtype)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    moe = hasattr(model.config, "router_aux_loss_coef")
+
+    # --- data ---
+    if not args.dataset:
+        if not builtin:
+            raise TrainerError("--model_name_or_path needs --dataset (the built-in task uses its own tiny tokenizer)")
+        train_rows, eval_rows = make_reverse_task(args.eval_size)
+        reward_fns, is_correct = [reverse_reward], reverse_correct
+    else:
+        raw_train, raw_eval = load_rows(args)
+        train_rows = [{"prompt": format_prompt(tokenizer, r["question"]), "answer": r["answer"]} for r in raw_train]
+        eval_rows = [{"prompt": format_prompt(tokenizer, r["question"]), "answer": r["answer"]} for r in raw_eval]
+        reward_fns, is_correct = [gsm8k_correct_reward, gsm8k_format_reward], gsm8k_correct
+    weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else [1.0] + [0.1] * (len(reward_fns) - 1)
+    if len(weights) != len(reward_fns):
+        raise TrainerError(f"--reward_weights has {len(weights)} values for {len(reward_fns)} reward functions "
+                           f"({', '.join(f.__name__ for f in reward_fns)})")
+    if len(train_rows) < args.batch_size * world:
+        raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than batch_size * ranks = {args.batch_size * world}")
+    sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+
+    # --- DDP wrapper: the graph forward goes through it; generate() runs on model.module ---
+    policy = model
+    if ddp:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if builtin and args.sft_warmup_steps > 0:
+        # deterministic, so a resumed run redoes it and gets the same reference model
+        sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
+    ref_model = None
+    if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
+        import copy
+        ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+
+    def lr_lambda(step):  # linear warmup, then constant or cosine to 0
+        if step < args.warmup_steps:
+            return (step + 1) / (args.warmup_steps + 1)
+        if args.lr_scheduler == "constant":
+            return 1.0
+        progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+    # --- state of the loop (all of it goes into a checkpoint) ---
+    step, epoch, pos = 0, 0, 0
+    entropy_coef = args.entropy_coef                    # c: the adaptive coefficient (or the static alpha)
+    applied_coef = args.entropy_coef                    # alpha used in this step's loss
+    world_entropy = float("nan")
+    bad_in_a_row = 0
+    if master:
+        os.makedirs(args.save_dir, exist_ok=True)
+    metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
+    ckpt = find_checkpoint(args.save_dir) if args.resume == "auto" else (args.resume or None)
+    if ckpt:
+        load_weights(policy, ckpt)
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, epoch, pos = state["step"], state["sampler_epoch"], state["sampler_pos"]
+        entropy_coef, applied_coef = state["entropy_coef"], state["entropy_coef_applied"]
+        world_entropy, bad_in_a_row = state["world_entropy"], state["bad_in_a_row"]
+        rng_file = os.path.join(ckpt, f"rng_state_{rank}.pt")
+        if not os.path.isfile(rng_file):
+            raise TrainerError(f"checkpoint {ckpt} was written by fewer ranks (no {os.path.basename(rng_file)})")
+        set_rng_state(torch.load(rng_file, weights_only=True))
+        if master:  # keep the log of the steps this checkpoint contains, drop any logged after it
+            kept = []
+            if os.path.exists(metrics_path):
+                kept = [ln for ln in open(metrics_path) if json.loads(ln).get("step", 0) <= step]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept)
+            print(f"resumed from {ckpt} at step {step}")
+    else:
+        torch.manual_seed(args.seed + 1 + rank)  # ranks sample differently; RNG no longer depends on the warmup
+        random.seed(args.seed + 1 + rank)
+        if master:
+            open(metrics_path, "w").close()
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+
+    def log(record):
+        if master:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    if not ckpt and args.eval_interval > 0:
+        acc = evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device)
+        log({"step": 0, "eval_accuracy": acc})
+        if master:
+            print(f"eval_accuracy before GRPO: {acc:.3f}")
+
+    model.train()
+    warned_cut = False
+    total_cut = 0
+    rows_per_step = args.batch_size * args.num_generations
+    micro = args.micro_batch_size or rows_per_step
+    S = rows_per_step // micro                                                    # accumulation micro-steps
+    bar = tqdm(range(step, args.max_steps), initial=step, total=args.max_steps, disable=not master, desc="grpo")
+    for step in bar:
+        step += 1
+        t0 = time.time()
+        # 1. prompts: B per rank through the DistributedSampler, each repeated G times (a contiguous group)
+        if pos + args.batch_size > len(order):
+            epoch, pos = epoch + 1, 0
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+        rows = [train_rows[i] for i in order[pos:pos + args.batch_size]]
+        pos += args.batch_size
+        prompts = [r["prompt"] for r in rows for _ in range(args.num_generations)]
+        answers = [r["answer"] for r in rows for _ in range(args.num_generations)]
+        prompt_ids, prompt_mask, n_cut = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
+        total_cut += n_cut // args.num_generations
+        if n_cut and not warned_cut and master:
+            print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are left-truncated")
+            warned_cut = True
+
+        # 2. rollout on the unwrapped policy
+        tg = time.time()
+        completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer, max_gen_len=args.max_gen_len,
+                                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        gen_time = time.time() - tg
+        if args.mask_truncated_completions:
+            mask = mask * (~truncated).unsqueeze(1)
+        input_ids = torch.cat([prompt_ids, completion_ids], 1)                   # [rows, P + T]
+        attention_mask = torch.cat([prompt_mask, mask], 1)
+        T = completion_ids.shape[1]
+
+        # 3-4. reward and group-relative advantage
+        completions = decode_completions(tokenizer, completion_ids, mask)
+        rewards = compute_rewards(reward_fns, weights, completions, answers, prompts)  # [rows]
+        advantages = compute_advantages(rewards, args.num_generations, args.scale_rewards).to(device)
+        zero_std = (rewards.view(-1, args.num_generations).std(1) == 0).float().mean().item()
+
+        # 5-6. reference and old log-probs: plain tensors, no graph
+        with torch.no_grad():
+            ref_logps = completion_logps(ref_model, input_ids, attention_mask, T, temperature=args.temperature,
+                                         chunk_size=args.logp_chunk_size)[0] if ref_model is not None else None
+            old_all = completion_logps(model, input_ids, attention_mask, T, temperature=args.temperature,
+                                       chunk_size=args.logp_chunk_size)[0] if args.num_iterations > 1 else None
+        num_items = world_sum(mask.sum().item(), device=device)[0]               # N: masked tokens, all ranks
+        ent_sum, ent_count = 0.0, mask.sum().item()
+
+        # 7-11. current log-probs through the DDP wrapper, loss, backward (mu updates per rollout)
+        for it in range(args.num_iterations):
+            sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip": 0.0, "aux": 0.0}
+            for m in range(S):
+                sl = slice(m * micro, (m + 1) * micro)
+                if ddp:  # all-reduce gradients only on the last micro-step
+                    model.require_backward_grad_sync = m == S - 1
+                logps, entropy, aux = completion_logps(model, input_ids[sl], attention_mask[sl], T,
+                                                       temperature=args.temperature, chunk_size=args.logp_chunk_size,
+                                                       entropy_grad=applied_coef != 0.0,
+                                                       entropy_chunk_size=args.entropy_chunk_size)
+                old = old_all[sl] if old_all is not None else logps.detach()
+                loss, stats = grpo_loss(logps, old, advantages[sl], mask[sl], loss_type=args.loss_type,
+                                        epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                                        ref_logps=ref_logps[sl] if ref_logps is not None else None, beta=args.beta,
+                                        max_gen_len=args.max_gen_len, num_items=num_items, world_size=world,
+                                        entropy=entropy, entropy_coef=applied_coef, accum_steps=S)
+                if aux is not None:  # MoE router load-balancing loss, scaled by the config's coefficient
+                    loss = loss + unwrap(model).config.router_aux_loss_coef * aux / S
+                    sums["aux"] += aux.item() / S
+                loss.backward()
+                sums["loss"] += loss.item()
+                sums["policy_loss"] += stats["policy_loss"].item()
+                sums["kl"] += stats.get("kl", torch.tensor(0.0)).item() / S
+                sums["clip"] += stats["clip_ratio"].item() / S
+                if it == 0:  # entropy of the rollout policy: a sum and a count on this rank
+                    ent_sum += (entropy.detach() * mask[sl]).sum().item()
+
+            # 13. update: clip, step, schedule; a non-finite step is skipped and counted
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+            if torch.isfinite(grad_norm) and math.isfinite(sums["loss"]):
+                optimizer.step()
+                bad_in_a_row = 0
+            else:
+                bad_in_a_row += 1
+            optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if bad_in_a_row >= 3:
+            good = find_checkpoint(args.save_dir)
+            raise TrainerError(f"step {step}: loss or grad norm not finite for 3 steps in a row; stopping "
+                               f"(last good checkpoint: {good or 'none'})")
+
+        # 11. entropy coefficient: one world entropy (a sum and a count), one rule, the same c on every rank
+        ent_sum, ent_count = world_sum(ent_sum, ent_count, device=device)
+        world_entropy = ent_sum / max(ent_count, 1)
+        coef_used = applied_coef
+        if args.use_adaptive_entropy:
+            entropy_coef, applied_coef = update_entropy_coef(entropy_coef, world_entropy, target=args.entropy_target,
+                                                             delta=args.entropy_coef_delta, coef_min=args.entropy_coef_min,
+                                                             coef_max=args.entropy_coef_max)
+
+        # 14. log (rank 0) and save
+        r_mean, r_sq, adv_sq, c_len, trunc, zs, loss_sum, pl, kl, clip, aux_s = world_sum(
+            rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(), mask.sum(1).float().mean(),
+            truncated.float().mean(), zero_std, sums["loss"], sums["policy_loss"], sums["kl"], sums["clip"], sums["aux"],
+            device=device)
+        dt = time.time() - t0
+        record = {"step": step, "reward": r_mean / world, "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
+                  "frac_reward_zero_std": zs / world, "advantage_std": math.sqrt(adv_sq / world),
+                  "loss": loss_sum / world, "policy_loss": pl / world, "kl": kl / world, "entropy": world_entropy,
+                  "entropy_coef": entropy_coef, "entropy_coef_applied": coef_used, "clip_ratio": clip / world,
+                  "completion_len": c_len / world, "truncated_frac": trunc / world,
+                  "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0], "step_time": dt,
+                  "generate_time": gen_time, "tokens_per_s": num_items / dt, "skipped_steps_in_a_row": bad_in_a_row,
+                  "truncated_prompts": total_cut}
+        if moe:
+            record["aux_loss"] = aux_s / world
+        if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
+            record["eval_accuracy"] = evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device)
+        log(record)
+        bar.set_postfix(reward=f"{record['reward']:.3f}", acc=record.get("eval_accuracy", ""))
+        stopping = args.stop_after and step >= args.stop_after
+        if (args.save_interval and step % args.save_interval == 0) or step == args.max_steps or stopping:
+            state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                     "sampler_epoch": epoch, "sampler_pos": pos, "entropy_coef": entropy_coef,
+                     "entropy_coef_applied": applied_coef, "world_entropy": world_entropy, "bad_in_a_row": bad_in_a_row}
+            save_checkpoint(args.save_dir, step, model, tokenizer, state, rank)
+        if stopping:
+            break
+
+    if master and step == args.max_steps:  # the final model: a plain transformers directory
+        final = os.path.join(args.save_dir, "final")
+        policy.save_pretrained(final, safe_serialization=True)
+        tokenizer.save_pretrained(final)
+        print(f"saved {final}")
+    barrier()
+    return policy
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except TrainerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
