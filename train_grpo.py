@@ -80,20 +80,21 @@ class Args:
     entropy_coef_min: float = opt(0.0, "adaptive: lower bound of the coefficient")
     entropy_coef_max: float = opt(0.005, "adaptive: upper bound of the coefficient")
     # optimization
-    max_steps: int = opt(60, "GRPO optimizer steps")
-    learning_rate: float = opt(2e-3, "AdamW learning rate")
+    max_steps: int = opt(200, "GRPO optimizer steps")
+    learning_rate: float = opt(2e-4, "AdamW learning rate of the GRPO updates")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     lr_scheduler: str = opt("constant", "constant or cosine, after linear warmup", choices=("constant", "cosine"))
     warmup_steps: int = opt(0, "linear learning-rate warmup steps")
     grad_clip: float = opt(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
     gradient_checkpointing: int = opt(0, "1: recompute transformer layers in backward", choices=(0, 1))
-    sft_warmup_steps: int = opt(40, "built-in task only: supervised steps before the first eval and GRPO")
+    sft_warmup_steps: int = opt(200, "built-in task only: supervised steps before the first eval and GRPO")
+    sft_learning_rate: float = opt(1e-3, "learning rate of the supervised warmup")
     # bookkeeping
     seed: int = opt(0, "seed for model init, data order and sampling")
     save_dir: str = opt("runs/grpo", "metrics.jsonl, checkpoints and the final model go here")
     save_interval: int = opt(0, "write checkpoint-<step> every N steps; 0: only at the end")
     resume: str = opt("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
-    eval_interval: int = opt(20, "held-out greedy accuracy every N steps (and before/after training)")
+    eval_interval: int = opt(50, "held-out greedy accuracy every N steps (and before/after training)")
     eval_size: int = opt(256, "held-out prompts (built-in task, or files without a test split)")
     dtype: str = opt("float32", "model dtype", choices=("float32", "bfloat16", "float16"))
     device: str = opt("auto", "auto, cpu, cuda")
@@ -584,7 +585,7 @@ def evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device
 
 def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
     """Built-in task only: a few supervised steps (teacher forcing) so the tiny model earns some reward."""
-    opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
     rng = random.Random(args.seed + 7)
     for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
         rows = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size * world)][rank::world]
