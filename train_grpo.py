@@ -387,10 +387,12 @@ def entropy_from_logits(logits, chunk_size=128):
     return torch.cat(chunks).view(logits.shape[:-1])                              # logits.shape without V
 
 
-def _chunk_logps_entropy(lm_head, hidden, targets, temperature, entropy_grad, entropy_chunk_size):
+def _chunk_logps_entropy(lm_head, hidden, targets, temperature, entropy_grad, entropy_chunk_size, with_entropy=True):
     """One sequence chunk: hidden [rows, c, H] -> logits [rows, c, V] (exists only inside this chunk)."""
     logits = lm_head(hidden).float() / temperature
     logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if not with_entropy:
+        return logps, torch.zeros_like(logps.detach())
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         # only logged: no graph at all (detached, no_grad); a bonus: in the graph, recomputed in backward
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), entropy_chunk_size)
@@ -398,7 +400,7 @@ def _chunk_logps_entropy(lm_head, hidden, targets, temperature, entropy_grad, en
 
 
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
-                     chunk_size=64, entropy_grad=False, entropy_chunk_size=128):
+                     chunk_size=64, entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
     """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states through lm_head
     in chunks of the sequence, so [rows, T, V] logits never exist at once. Call it with the DDP-wrapped model:
     its forward is what makes DDP all-reduce the gradients.
@@ -417,9 +419,9 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
         h, y = hidden[:, s:s + chunk_size], targets[:, s:s + chunk_size]
         if torch.is_grad_enabled():  # keep only the chunk's inputs; recompute its logits in backward
             lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, temperature, entropy_grad,
-                                 entropy_chunk_size, use_reentrant=False)
+                                 entropy_chunk_size, with_entropy, use_reentrant=False)
         else:
-            lp, ent = _chunk_logps_entropy(lm_head, h, y, temperature, False, entropy_chunk_size)
+            lp, ent = _chunk_logps_entropy(lm_head, h, y, temperature, False, entropy_chunk_size, with_entropy)
         logps.append(lp)
         entropy.append(ent)
     aux = getattr(out, "aux_loss", None) if moe else None
@@ -484,6 +486,12 @@ def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_ma
         new = min(coef + delta, coef_max)
         return new, new
     return max(coef - delta, coef_min), 0.0
+
+
+def world_mean(local_sum, local_count, device="cpu"):
+    # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of per-rank means
+    total, count = world_sum(local_sum, local_count, device=device)
+    return total / max(count, 1.0)
 
 
 def world_sum(*values, device="cpu"):
@@ -844,8 +852,7 @@ def train(args, rank, world, device, master, ddp):
                                f"(last good checkpoint: {good or 'none'})")
 
         # 11. entropy coefficient: one world entropy (a sum and a count), one rule, the same c on every rank
-        ent_sum, ent_count = world_sum(ent_sum, ent_count, device=device)
-        world_entropy = ent_sum / max(ent_count, 1)
+        world_entropy = world_mean(ent_sum, ent_count, device=device)
         coef_used = applied_coef
         if args.use_adaptive_entropy:
             entropy_coef, applied_coef = update_entropy_coef(entropy_coef, world_entropy, target=args.entropy_target,
@@ -887,7 +894,8 @@ def train(args, rank, world, device, master, ddp):
         tokenizer.save_pretrained(final)
         print(f"saved {final}")
     barrier()
-    return policy
+    return {"model": policy, "step": step, "entropy_coef": entropy_coef, "entropy_coef_applied": applied_coef,
+            "world_entropy": world_entropy}
 
 
 if __name__ == "__main__":

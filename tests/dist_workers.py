@@ -1,0 +1,60 @@
+"""Functions run in 2 spawned gloo processes (they must live in an importable module)."""
+import json
+import os
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+import torch.distributed as dist
+
+from helpers import sample_batch, tg, tiny
+
+
+def train(rank, world, argv, out_dir, bypass_ddp=False):
+    """Run the real trainer on this rank; save what must agree across ranks."""
+    if bypass_ddp:  # the famous bug: the graph forward goes through model.module, skipping the all-reduce
+        original = tg.completion_logps
+        tg.completion_logps = lambda model, *a, **k: original(tg.unwrap(model), *a, **k)
+    res = tg.main(argv)
+    torch.save({"params": {k: v.clone() for k, v in res["model"].state_dict().items()},
+                "entropy_coef": res["entropy_coef"], "entropy_coef_applied": res["entropy_coef_applied"]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+# different data and different token counts per rank: rank 0 has 10 tokens of entropy ~0.1, rank 1 has 2 of ~0.5
+def entropy_world(rank, world, out_dir, steps=6):
+    dist.init_process_group("gloo")
+    g = torch.Generator().manual_seed(rank)
+    coef, log = 0.0, []
+    for step in range(steps):
+        n = 10 if rank == 0 else 2
+        ent = (0.1 if rank == 0 else 0.5) + 0.01 * step + 0.01 * torch.rand(3, 10, generator=g)
+        mask = torch.zeros(3, 10)
+        mask.view(-1)[:n] = 1
+        local_sum, local_count = (ent * mask).sum().item(), mask.sum().item()
+        h_w = tg.world_mean(local_sum, local_count)
+        coef, applied = tg.update_entropy_coef(coef, h_w, target=0.2, delta=0.001, coef_min=0.0, coef_max=0.004)
+        log.append({"sum": local_sum, "count": local_count, "coef": coef, "applied": applied})
+    json.dump(log, open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
+    dist.destroy_process_group()
+
+
+def moe_empty_expert(rank, world, out_dir):
+    """One MoE GRPO step under DDP where experts 2 and 3 receive no tokens on either rank."""
+    dist.init_process_group("gloo")
+    model, tok = tiny(use_moe=1, seed=0)
+    used = set()
+    for layer in model.model.layers:
+        torch.nn.init.zeros_(layer.mlp.gate.weight)  # equal router logits: top-2 picks the same experts for every token
+        layer.mlp.gate.register_forward_hook(lambda mod, inp, out: used.update(out[2].flatten().tolist()))
+    ddp = DDP(model)
+    input_ids, attn, comp, mask = sample_batch(model, tok, seed=rank)  # different prompts per rank
+    used.clear()
+    logps, _, aux = tg.completion_logps(ddp, input_ids, attn, comp.shape[1])
+    adv = torch.randn(logps.shape[0], generator=torch.Generator().manual_seed(rank))
+    loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2)
+    (loss + model.config.router_aux_loss_coef * aux).backward()
+    router_grad = model.model.layers[0].mlp.gate.weight.grad.abs().sum().item()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    torch.save({"params": model.state_dict(), "used": sorted(used), "router_grad": router_grad},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()

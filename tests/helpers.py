@@ -1,0 +1,68 @@
+"""Shared by the tests: run the CLI, spawn 2 gloo processes, make a tiny model and tokenizer."""
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "train_grpo.py")
+sys.path.insert(0, ROOT)
+import train_grpo as tg  # noqa: E402
+
+# small and fast: 4 prompts x 4 completions per rank, no warmup, a short eval
+FAST = ["--batch_size", "4", "--num_generations", "4", "--max_gen_len", "6", "--sft_warmup_steps", "0",
+        "--eval_size", "16", "--eval_interval", "0"]
+
+
+def env1():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def run_cli(*args, nproc=1, timeout=600):
+    args = [str(a) for a in args]
+    if nproc == 1:
+        cmd = [sys.executable, TRAIN, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), TRAIN, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env1())
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    fn(rank, world, *args)
+
+
+def spawn(fn, *args, world=2):
+    """Run fn(rank, world, *args) in `world` processes with the env:// variables torchrun would set."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def tiny(use_moe=0, seed=0):
+    torch.manual_seed(seed)
+    tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
+    return tg.build_tiny_model(len(tok), use_moe, tok), tok
+
+
+def sample_batch(model, tok, n_prompts=4, G=4, seed=0, max_gen_len=6):
+    """A real rollout of the tiny model: input_ids [rows, P+T], attention mask, completion ids and mask."""
+    train_rows, _ = tg.make_reverse_task(16)
+    torch.manual_seed(seed)
+    prompts = [r["prompt"] for r in train_rows[seed * n_prompts:(seed + 1) * n_prompts] for _ in range(G)]
+    ids, am, _ = tg.tokenize_prompts(tok, prompts, 64, "cpu")
+    comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=max_gen_len)
+    return torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp, mask

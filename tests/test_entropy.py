@@ -1,0 +1,148 @@
+"""Entropy (GRPO_SPEC steps 7, 10, 11): chunked, graph-free when only logged, one coefficient for the world."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import sample_batch, spawn, tg, tiny
+import dist_workers
+
+
+def naive_entropy(logits):
+    logp = torch.log_softmax(logits.double(), -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("shape", [(37, 50), (3, 13, 50)])
+def test_entropy_matches_full_softmax_fp32(shape):
+    logits = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 5
+    got = tg.entropy_from_logits(logits, chunk_size=8)
+    assert got.shape == shape[:-1]
+    torch.testing.assert_close(got.double(), naive_entropy(logits), rtol=0, atol=1e-5)
+
+
+def test_entropy_bf16_within_rounding_bound():
+    logits = torch.randn(4, 9, 300, generator=torch.Generator().manual_seed(1)) * 4
+    low = logits.bfloat16()
+    got = tg.entropy_from_logits(low, chunk_size=5).double()
+    # exact on the bf16 values themselves (the chunk is computed in fp32) ...
+    torch.testing.assert_close(got, naive_entropy(low.float()), rtol=0, atol=1e-5)
+    # ... and against fp32 logits, within the rounding: dH/dz_v = -p_v (z_v - E_p z), so
+    # |dH| <= sum_v p_v |z_v - E_p z| * max|dz| <= 2 max|z| max|dz| (first order, x1.5 for safety)
+    bound = 1.5 * 2 * logits.abs().max() * (logits - low.float()).abs().max()
+    assert (got - naive_entropy(logits)).abs().max() <= bound
+
+
+def saved_bytes(fn):
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return total[0], out
+
+
+def chunk_inputs():
+    model, tok = tiny()
+    hidden = torch.randn(6, 5, 64, requires_grad=True)
+    targets = torch.randint(0, len(tok), (6, 5))
+    return model.lm_head, hidden, targets
+
+
+def test_logged_entropy_saves_nothing_for_backward():
+    lm_head, hidden, targets = chunk_inputs()
+    without, _ = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, 1.0, False, 4, with_entropy=False))
+    logged, (lp, ent) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, 1.0, False, 4))
+    in_graph, (_, ent_g) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, 1.0, True, 4))
+    assert logged == without and not ent.requires_grad
+    assert in_graph > without and ent_g.requires_grad  # the deliberately non-detached version keeps softmax & co
+
+
+def test_trainer_forward_saves_same_bytes_with_and_without_entropy():
+    model, tok = tiny()
+    input_ids, attn, comp, mask = sample_batch(model, tok)
+    T = comp.shape[1]
+    run = lambda **kw: saved_bytes(lambda: tg.completion_logps(model, input_ids, attn, T, chunk_size=2, **kw))[0]
+    base = run(with_entropy=False)
+    assert run(entropy_grad=False) == base
+    # the same measurement catches the known bug: one full-logits forward, entropy in the graph or not
+    def full_logits(entropy):
+        logits = model(input_ids, attention_mask=attn).logits[:, -T - 1:-1]
+        if entropy == "graph":
+            naive_entropy(logits.float())
+        elif entropy == "detached":
+            with torch.no_grad():
+                tg.entropy_from_logits(logits.detach())
+    plain = saved_bytes(lambda: full_logits(None))[0]
+    assert saved_bytes(lambda: full_logits("detached"))[0] == plain
+    assert saved_bytes(lambda: full_logits("graph"))[0] > plain
+
+
+def naive_loss(model, input_ids, attn, comp, mask, adv, alpha, with_aux):
+    """The plain path: full [rows, T, V] logits, log_softmax, entropy -sum p log p, grpo normalization by hand."""
+    T = comp.shape[1]
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids, attention_mask=attn, position_ids=pos,
+                **({"output_router_logits": True} if with_aux else {}))
+    logp_all = torch.log_softmax(out.logits[:, -T - 1:-1].float(), -1)
+    logps = logp_all.gather(-1, comp[..., None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    per_tok = -torch.exp(logps - logps.detach()) * adv[:, None] - alpha * ent
+    loss = ((per_tok * mask).sum(1) / mask.sum(1)).mean()
+    if with_aux:
+        loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+    return loss
+
+
+@pytest.mark.parametrize("use_moe", [0, 1])
+@pytest.mark.parametrize("alpha", [0.0, 0.05, -0.02])
+def test_chunked_path_equals_full_logits_path(use_moe, alpha):
+    model, tok = tiny(use_moe)
+    input_ids, attn, comp, mask = sample_batch(model, tok)
+    mask = mask.float()
+    adv = torch.randn(comp.shape[0], generator=torch.Generator().manual_seed(3))
+    logps, ent, aux = tg.completion_logps(model, input_ids, attn, comp.shape[1], chunk_size=2,
+                                          entropy_grad=alpha != 0, entropy_chunk_size=3)
+    loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
+                           entropy=ent, entropy_coef=alpha)
+    if use_moe:
+        loss = loss + model.config.router_aux_loss_coef * aux
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    ref = naive_loss(model, input_ids, attn, comp, mask, adv, alpha, use_moe)
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def rule(c, h, target, delta, lo, hi):
+    return (min(c + delta, hi), min(c + delta, hi)) if h < target else (max(c - delta, lo), 0.0)
+
+
+def test_update_entropy_coef_rule():
+    kw = dict(target=0.2, delta=0.001, coef_min=0.0, coef_max=0.0025)
+    c, seen = 0.0, []
+    for h in [0.1, 0.1, 0.1, 0.1, 0.3, 0.3, 0.3, 0.3]:
+        c, a = tg.update_entropy_coef(c, h, **kw)
+        seen.append((round(c, 6), round(a, 6)))
+    assert seen == [(0.001, 0.001), (0.002, 0.002), (0.0025, 0.0025), (0.0025, 0.0025),
+                    (0.0015, 0.0), (0.0005, 0.0), (0.0, 0.0), (0.0, 0.0)]
+
+
+def test_two_ranks_hold_one_coefficient_from_world_sums(tmp_path):
+    spawn(dist_workers.entropy_world, str(tmp_path))
+    logs = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    c = c_bad = 0.0
+    differs = False
+    for s0, s1 in zip(*logs):
+        assert s0["coef"] == s1["coef"] and s0["applied"] == s1["applied"]
+        h_world = (s0["sum"] + s1["sum"]) / (s0["count"] + s1["count"])        # by hand, from both ranks
+        c, a = rule(c, h_world, 0.2, 0.001, 0.0, 0.004)
+        assert s0["coef"] == pytest.approx(c) and s0["applied"] == pytest.approx(a)
+        h_bad = (s0["sum"] / s0["count"] + s1["sum"] / s1["count"]) / 2        # a mean of per-rank means
+        c_bad, _ = rule(c_bad, h_bad, 0.2, 0.001, 0.0, 0.004)
+        differs |= c_bad != pytest.approx(s0["coef"])
+    assert differs, "the data must tell a world mean from a mean of per-rank means"
