@@ -143,7 +143,7 @@ def build_char_tokenizer(chars):
     from transformers import PreTrainedTokenizerFast
     vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + list(chars))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character is a token
     tok.decoder = decoders.Fuse()  # decode joins characters without spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    unk_token="<unk>", padding_side="left")
@@ -157,7 +157,7 @@ def build_tiny_model(vocab_size, use_moe, tokenizer):
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     if use_moe:
         config = Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                                decoder_sparse_step=1, router_aux_loss_coef=0.01, output_router_logits=True, **common)
+                                decoder_sparse_step=1, router_aux_loss_coef=0.01, **common)
         return Qwen3MoeForCausalLM(config)
     return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common))
 
@@ -248,6 +248,8 @@ def load_rows(args):
         path = os.path.expanduser(name)
         if not os.path.isfile(path):
             raise TrainerError(f"--dataset {name}: no such file")
+        if os.path.getsize(path) == 0:
+            raise TrainerError(f"--dataset {name}: the dataset is empty")
         builder = "parquet" if path.endswith(".parquet") else "json"
         try:
             splits = datasets.load_dataset(builder, data_files=path)
@@ -661,8 +663,8 @@ def train(args, rank, world, device, master, ddp):
         is_moe = hasattr(model.config, "router_aux_loss_coef")
         if args.use_moe and not is_moe:
             raise TrainerError(f"--use_moe 1 but {args.model_name_or_path} is a dense model ({model.config.model_type})")
-        if is_moe:
-            model.config.output_router_logits = True  # so the forward returns the router load-balancing loss
+        # MoE: completion_logps asks the forward for output_router_logits, so the aux loss arrives;
+        # generate() runs without it (its cached, one-token steps would not match the attention mask)
     model.to(device=device, dtype=dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
