@@ -415,9 +415,18 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
                 output_hidden_states=True, logits_to_keep=1, **({"output_router_logits": True} if moe else {}))
     hidden = out.hidden_states[-1][:, -T - 1:-1, :]                               # [rows, T, H]: state before token t
     targets = input_ids[:, -T:]                                                   # [rows, T]
-    lm_head = unwrap(model).get_output_embeddings()
+    logps, entropy = chunked_logps(unwrap(model).get_output_embeddings(), hidden, targets, temperature=temperature,
+                                   chunk_size=chunk_size, entropy_grad=entropy_grad,
+                                   entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
+    aux = getattr(out, "aux_loss", None) if moe else None
+    return logps, entropy, aux
+
+
+def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, chunk_size=64, entropy_grad=False,
+                  entropy_chunk_size=128, with_entropy=True):
+    """hidden [rows, T, H] -> logps, entropy [rows, T], one sequence chunk of logits at a time."""
     logps, entropy = [], []
-    for s in range(0, T, chunk_size):
+    for s in range(0, targets.shape[1], chunk_size):
         h, y = hidden[:, s:s + chunk_size], targets[:, s:s + chunk_size]
         if torch.is_grad_enabled():  # keep only the chunk's inputs; recompute its logits in backward
             lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, temperature, entropy_grad,
@@ -426,8 +435,7 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
             lp, ent = _chunk_logps_entropy(lm_head, h, y, temperature, False, entropy_chunk_size, with_entropy)
         logps.append(lp)
         entropy.append(ent)
-    aux = getattr(out, "aux_loss", None) if moe else None
-    return torch.cat(logps, 1), torch.cat(entropy, 1), aux
+    return torch.cat(logps, 1), torch.cat(entropy, 1)
 
 
 # ----------------------------------------------------------------------------------------------------
