@@ -325,8 +325,6 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     policy.train(was_training)
     completion_ids = out[:, input_ids.shape[1]:]                                  # [rows, T <= max_gen_len]
-    if completion_ids.shape[1] == 0:  # cannot happen with max_gen_len >= 1, but keep shapes honest
-        completion_ids = torch.full((out.shape[0], 1), tokenizer.pad_token_id, device=out.device)
     mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
     return completion_ids, mask, truncated
 
@@ -392,7 +390,7 @@ def entropy_from_logits(logits, chunk_size=128):
 def _chunk_logps_entropy(lm_head, hidden, targets, temperature, entropy_grad, entropy_chunk_size, with_entropy=True):
     """One sequence chunk: hidden [rows, c, H] -> logits [rows, c, V] (exists only inside this chunk)."""
     logits = lm_head(hidden).float() / temperature
-    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logps = selective_log_softmax(logits, targets)
     if not with_entropy:
         return logps, torch.zeros_like(logps.detach())
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -701,7 +699,12 @@ def train(args, rank, world, device, master, ddp):
     # --- DDP wrapper: the graph forward goes through it; generate() runs on model.module ---
     policy = model
     if ddp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # Qwen3-MoE keeps each layer's experts in one 3-D parameter, so an expert that got no tokens still
+        # gets a (zero) gradient slice; a model with one module per expert needs find_unused_parameters.
+        per_expert_modules = any(isinstance(m, torch.nn.ModuleList) and name.endswith("experts")
+                                 for name, m in model.named_modules())
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    find_unused_parameters=per_expert_modules)
     if builtin and args.sft_warmup_steps > 0:
         # deterministic, so a resumed run redoes it and gets the same reference model
         sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
@@ -726,6 +729,7 @@ def train(args, rank, world, device, master, ddp):
     applied_coef = args.entropy_coef                    # alpha used in this step's loss
     world_entropy = float("nan")
     bad_in_a_row = 0
+    total_cut = 0                                        # prompts left-truncated so far, all ranks
     if master:
         os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
@@ -737,7 +741,7 @@ def train(args, rank, world, device, master, ddp):
         scheduler.load_state_dict(state["scheduler"])
         step, epoch, pos = state["step"], state["sampler_epoch"], state["sampler_pos"]
         entropy_coef, applied_coef = state["entropy_coef"], state["entropy_coef_applied"]
-        world_entropy, bad_in_a_row = state["world_entropy"], state["bad_in_a_row"]
+        world_entropy, bad_in_a_row, total_cut = state["world_entropy"], state["bad_in_a_row"], state["truncated_prompts"]
         rng_file = os.path.join(ckpt, f"rng_state_{rank}.pt")
         if not os.path.isfile(rng_file):
             raise TrainerError(f"checkpoint {ckpt} was written by fewer ranks (no {os.path.basename(rng_file)})")
@@ -770,13 +774,11 @@ def train(args, rank, world, device, master, ddp):
 
     model.train()
     warned_cut = False
-    total_cut = 0
     rows_per_step = args.batch_size * args.num_generations
     micro = args.micro_batch_size or rows_per_step
     S = rows_per_step // micro                                                    # accumulation micro-steps
-    bar = tqdm(range(step, args.max_steps), initial=step, total=args.max_steps, disable=not master, desc="grpo")
+    bar = tqdm(range(step + 1, args.max_steps + 1), initial=step, total=args.max_steps, disable=not master, desc="grpo")
     for step in bar:
-        step += 1
         t0 = time.time()
         # 1. prompts: B per rank through the DistributedSampler, each repeated G times (a contiguous group)
         if pos + args.batch_size > len(order):
@@ -788,16 +790,15 @@ def train(args, rank, world, device, master, ddp):
         prompts = [r["prompt"] for r in rows for _ in range(args.num_generations)]
         answers = [r["answer"] for r in rows for _ in range(args.num_generations)]
         prompt_ids, prompt_mask, n_cut = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
-        total_cut += n_cut // args.num_generations
         if n_cut and not warned_cut and master:
             print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are left-truncated")
             warned_cut = True
 
         # 2. rollout on the unwrapped policy
-        tg = time.time()
+        t_gen = time.time()
         completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer, max_gen_len=args.max_gen_len,
                                                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-        gen_time = time.time() - tg
+        gen_time = time.time() - t_gen
         if args.mask_truncated_completions:
             mask = mask * (~truncated).unsqueeze(1)
         input_ids = torch.cat([prompt_ids, completion_ids], 1)                   # [rows, P + T]
@@ -849,7 +850,9 @@ def train(args, rank, world, device, master, ddp):
 
             # 13. update: clip, step, schedule; a non-finite step is skipped and counted
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-            if torch.isfinite(grad_norm) and math.isfinite(sums["loss"]):
+            # decided on world numbers, so that every rank skips the same steps
+            n_bad = world_sum(not (torch.isfinite(grad_norm) and math.isfinite(sums["loss"])), device=device)[0]
+            if n_bad == 0:
                 optimizer.step()
                 bad_in_a_row = 0
             else:
@@ -870,10 +873,11 @@ def train(args, rank, world, device, master, ddp):
                                                              coef_max=args.entropy_coef_max)
 
         # 14. log (rank 0) and save
-        r_mean, r_sq, adv_sq, c_len, trunc, zs, loss_sum, pl, kl, clip, aux_s = world_sum(
+        r_mean, r_sq, adv_sq, c_len, trunc, zs, loss_sum, pl, kl, clip, aux_s, cut = world_sum(
             rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(), mask.sum(1).float().mean(),
             truncated.float().mean(), zero_std, sums["loss"], sums["policy_loss"], sums["kl"], sums["clip"], sums["aux"],
-            device=device)
+            n_cut // args.num_generations, device=device)
+        total_cut += int(cut)
         dt = time.time() - t0
         record = {"step": step, "reward": r_mean / world, "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
                   "frac_reward_zero_std": zs / world, "advantage_std": math.sqrt(adv_sq / world),
@@ -893,7 +897,8 @@ def train(args, rank, world, device, master, ddp):
         if (args.save_interval and step % args.save_interval == 0) or step == args.max_steps or stopping:
             state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                      "sampler_epoch": epoch, "sampler_pos": pos, "entropy_coef": entropy_coef,
-                     "entropy_coef_applied": applied_coef, "world_entropy": world_entropy, "bad_in_a_row": bad_in_a_row}
+                     "entropy_coef_applied": applied_coef, "world_entropy": world_entropy, "bad_in_a_row": bad_in_a_row,
+                     "truncated_prompts": total_cut}
             save_checkpoint(args.save_dir, step, model, tokenizer, state, rank)
         if stopping:
             break

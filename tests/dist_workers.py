@@ -14,8 +14,11 @@ def train(rank, world, argv, out_dir, bypass_ddp=False):
     if bypass_ddp:  # the famous bug: the graph forward goes through model.module, skipping the all-reduce
         original = tg.completion_logps
         tg.completion_logps = lambda model, *a, **k: original(tg.unwrap(model), *a, **k)
+    prompts_seen = []  # what this rank trained on, step by step (the loop is the only caller here)
+    tokenize = tg.tokenize_prompts
+    tg.tokenize_prompts = lambda tok, prompts, *a, **k: prompts_seen.append(sorted(set(prompts))) or tokenize(tok, prompts, *a, **k)
     res = tg.main(argv)
-    torch.save({"params": {k: v.clone() for k, v in res["model"].state_dict().items()},
+    torch.save({"params": {k: v.clone() for k, v in res["model"].state_dict().items()}, "prompts": prompts_seen,
                 "entropy_coef": res["entropy_coef"], "entropy_coef_applied": res["entropy_coef_applied"]},
                os.path.join(out_dir, f"rank{rank}.pt"))
 

@@ -22,6 +22,7 @@ def test_ranks_end_bitwise_identical_with_one_entropy_coefficient(tmp_path):
     r0, r1 = run_two_ranks(tmp_path, ["--use_adaptive_entropy", "1", "--entropy_target", "5.0",
                                       "--entropy_coef_delta", "0.001"])
     assert identical(r0["params"], r1["params"])
+    assert len(r0["prompts"]) == 3 and all(not set(p0) & set(p1) for p0, p1 in zip(r0["prompts"], r1["prompts"]))
     assert r0["entropy_coef"] == r1["entropy_coef"] == 0.003
     start = tiny()[0].state_dict()
     assert not identical(start, r0["params"])  # it trained

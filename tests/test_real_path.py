@@ -136,7 +136,8 @@ def load_final(d):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_resume_continues_exactly(tmp_path, nproc):
     common = [*FAST, "--max_steps", "4", "--lr_scheduler", "cosine", "--warmup_steps", "2", "--beta", "0.04",
-              "--sft_warmup_steps", "3", "--use_adaptive_entropy", "1", "--entropy_target", "5"]
+              "--sft_warmup_steps", "3", "--use_adaptive_entropy", "1", "--entropy_target", "5",
+              "--max_prompt_len", "5"]  # every prompt is cut: the truncation counter must survive the resume too
     a, b = tmp_path / "a", tmp_path / "b"
     assert run_cli(*common, "--save_dir", a, nproc=nproc).returncode == 0
     first = run_cli(*common, "--stop_after", "2", "--save_dir", b, nproc=nproc)
@@ -147,7 +148,7 @@ def test_resume_continues_exactly(tmp_path, nproc):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     ma = [json.loads(l) for l in open(a / "metrics.jsonl")]
     mb = [json.loads(l) for l in open(b / "metrics.jsonl")]
-    assert [r["step"] for r in mb] == [1, 2, 3, 4]
+    assert [r["step"] for r in mb] == [1, 2, 3, 4] and mb[-1]["truncated_prompts"] == 4 * 4 * nproc
     strip = lambda r: {k: v for k, v in r.items() if k not in TIMING}
     assert [strip(r) for r in ma[2:]] == [strip(r) for r in mb[2:]]
 
