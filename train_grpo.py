@@ -600,11 +600,13 @@ def evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device
 
 
 def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
-    """Built-in task only: a few supervised steps (teacher forcing) so the tiny model earns some reward."""
+    """Built-in task only: a few supervised steps (teacher forcing) so the tiny model earns some reward.
+    The same batch_size rows per step whatever the number of ranks (each takes its share), so the GRPO
+    run under torchrun starts from the warm start of the one-process run."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
     rng = random.Random(args.seed + 7)
     for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
-        rows = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size * world)][rank::world]
+        rows = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size)][rank::world]
         ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device)
         target = torch.tensor([tokenizer(r["answer"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
                                for r in rows], device=device)                     # [B, len+1]
