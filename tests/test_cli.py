@@ -69,10 +69,29 @@ def test_import_runs_nothing(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
+@pytest.mark.parametrize("beta, mu, micro, graph, no_grad", [
+    (0.0, 1, 0, 1, 0),    # on-policy: one forward with grad, old = logps.detach()
+    (0.04, 1, 0, 1, 1),   # + one reference forward
+    (0.0, 2, 8, 4, 1),    # mu = 2, 2 micro-batches: 4 graph forwards, old log-probs once
+])
+def test_forwards_per_step(tmp_path, monkeypatch, beta, mu, micro, graph, no_grad):
+    import torch
+    counts = {"graph": 0, "no_grad": 0}
+    real = tg.completion_logps
+
+    def counting(*a, **k):
+        counts["graph" if torch.is_grad_enabled() else "no_grad"] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(tg, "completion_logps", counting)
+    tg.main(FAST + ["--max_steps", "2", "--beta", str(beta), "--num_iterations", str(mu),
+                    "--micro_batch_size", str(micro), "--save_dir", str(tmp_path)])
+    assert counts == {"graph": 2 * graph, "no_grad": 2 * no_grad}
+
+
 def test_beta_and_mu_run(tmp_path):
     # the reference forward (beta > 0) and old log-probs computed once for mu = 2 updates
     res = run_cli(*FAST, "--max_steps", "2", "--beta", "0.04", "--num_iterations", "2", "--micro_batch_size", "8",
-                  "--loss_type", "cispo", "--save_dir", tmp_path)
+                  "--loss_type", "cispo", "--gradient_checkpointing", "1", "--save_dir", tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert all(math.isfinite(r["kl"]) for r in rows)

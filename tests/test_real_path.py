@@ -100,6 +100,23 @@ def test_moe_checkpoint_and_bf16(tmp_path):
     assert math.isfinite(row["aux_loss"]) and row["aux_loss"] > 0
 
 
+def test_parquet_with_other_field_names(tmp_path, dense_dir):
+    import datasets
+    rows = [json.loads(l) for l in open(SAMPLE)]
+    datasets.Dataset.from_dict({"problem": [r["question"] for r in rows], "solution": [r["answer"] for r in rows]}
+                               ).to_parquet(str(tmp_path / "data.parquet"))
+    res = run_cli(*REAL, "--model_name_or_path", dense_dir, "--dataset", tmp_path / "data.parquet", "--max_steps", "1",
+                  "--question_field", "problem", "--answer_field", "solution", "--save_dir", tmp_path / "run")
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_unreachable_hub_dataset_is_one_line(tmp_path, dense_dir):
+    from test_cli import one_line_error
+    line = one_line_error(run_cli(*REAL, "--model_name_or_path", dense_dir, "--dataset", "someone/no-such-dataset",
+                                  "--save_dir", tmp_path))
+    assert "someone/no-such-dataset" in line
+
+
 def test_use_moe_with_dense_checkpoint_is_one_line(tmp_path, dense_dir):
     from test_cli import one_line_error
     line = one_line_error(run_cli(*REAL, "--model_name_or_path", dense_dir, "--dataset", SAMPLE, "--use_moe", "1",
