@@ -26,7 +26,6 @@ from fractions import Fraction
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DistributedSampler
@@ -36,7 +35,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
 
 # ----------------------------------------------------------------------------------------------------
-# Config. Every field is a command-line flag (`--name value`); its help text is the comment beside it.
+# Config. Every field is a command-line flag (`--name value`) whose --help line is the text beside it.
 # ----------------------------------------------------------------------------------------------------
 def opt(default, help, **kw):
     return field(default=default, metadata={"help": help, **kw})

@@ -73,7 +73,6 @@ def main():
     for v in "abc":
         s, r, g = res[v]
         print(f"{names[v]:36s} {s / 2**20:17.1f} MiB {r / 2**20:15.1f} MiB {g / 2**20:13.1f} MiB")
-    idx = 2 if gpu else 0
     for what, i in (("saved-for-backward", 0), ("peak process memory" if not gpu else "cuda max allocated", 1 if not gpu else 2)):
         print(f"{what}: c/b = {res['c'][i] / res['b'][i]:.3f}   c/a = {res['c'][i] / res['a'][i]:.3f}")
 

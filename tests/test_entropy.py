@@ -3,7 +3,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from helpers import sample_batch, spawn, tg, tiny
 import dist_workers
