@@ -268,9 +268,11 @@ def load_rows(args):
                            f"set --question_field/--answer_field")
     if len(train) == 0:
         raise TrainerError(f"--dataset {name}: the dataset is empty")
-    rows = [{"question": r[args.question_field], "answer": str(r[args.answer_field])} for r in train]
+    def pick(split):
+        return [{"question": r[args.question_field], "answer": str(r[args.answer_field])} for r in split]
+    rows = pick(train)
     if "test" in splits:
-        return rows, [{"question": r[args.question_field], "answer": str(r[args.answer_field])} for r in splits["test"]]
+        return rows, pick(splits["test"])
     n_eval = min(args.eval_size, len(rows) // 10) if len(rows) >= 10 else 0
     return rows[n_eval:], rows[:n_eval]
 
@@ -684,9 +686,8 @@ def train(args, rank, world, device, master, ddp):
         train_rows, eval_rows = make_reverse_task(args.eval_size)
         reward_fns, is_correct = [reverse_reward], reverse_correct
     else:
-        raw_train, raw_eval = load_rows(args)
-        train_rows = [{"prompt": format_prompt(tokenizer, r["question"]), "answer": r["answer"]} for r in raw_train]
-        eval_rows = [{"prompt": format_prompt(tokenizer, r["question"]), "answer": r["answer"]} for r in raw_eval]
+        train_rows, eval_rows = ([{"prompt": format_prompt(tokenizer, r["question"]), "answer": r["answer"]} for r in rows]
+                                 for rows in load_rows(args))
         reward_fns, is_correct = [gsm8k_correct_reward, gsm8k_format_reward], gsm8k_correct
     weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else [1.0] + [0.1] * (len(reward_fns) - 1)
     if len(weights) != len(reward_fns):
