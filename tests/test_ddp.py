@@ -3,7 +3,7 @@ import json
 
 import torch
 
-from helpers import FAST, run_cli, spawn, tg, tiny
+from helpers import FAST, run_cli, sample_batch, spawn, tg, tiny
 import dist_workers
 
 
@@ -52,7 +52,6 @@ def test_moe_step_with_an_expert_that_gets_no_tokens(tmp_path):
 def test_moe_aux_loss_reaches_the_objective_and_the_router():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
     model, tok = tiny(use_moe=1)
-    from helpers import sample_batch
     input_ids, attn, comp, mask = sample_batch(model, tok)
     logps, _, aux = tg.completion_logps(model, input_ids, attn, comp.shape[1])
     # independent: router logits from a plain forward, through transformers' own load-balancing function

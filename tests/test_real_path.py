@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from helpers import FAST, ROOT, run_cli, tg
+from helpers import FAST, ROOT, run_cli, tg, tiny
 
 SAMPLE = os.path.join(ROOT, "tests", "data", "gsm8k_sample.jsonl")
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -172,8 +172,7 @@ def test_resume_continues_exactly(tmp_path, nproc):
 
 def test_failed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
-    model, tok = tg.build_tiny_model(12, 0, tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")), None
-    tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
+    model, tok = tiny()
     tg.save_checkpoint(str(tmp_path), 1, model, tok, {"step": 1}, rank=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -187,7 +186,7 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
         tg.save_checkpoint(str(tmp_path), 2, model, tok, {"step": 2}, rank=0)
     monkeypatch.undo()
     assert tg.find_checkpoint(str(tmp_path)).endswith("checkpoint-1")
-    fresh = tg.build_tiny_model(12, 0, tok)
+    fresh, _ = tiny()
     tg.load_weights(fresh, tg.find_checkpoint(str(tmp_path)))
     assert all(torch.equal(fresh.state_dict()[k], before[k]) for k in before)
     assert torch.load(tmp_path / "checkpoint-1" / "trainer_state.pt", weights_only=True)["step"] == 1
@@ -224,6 +223,6 @@ def test_non_finite_steps_are_skipped_then_stop_with_last_checkpoint_intact(tmp_
     rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [r["skipped_steps_in_a_row"] for r in rows] == [0, 0, 1, 2]
     last = tg.find_checkpoint(str(tmp_path))
-    model = tg.build_tiny_model(12, 0, tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "="))
+    model, _ = tiny()
     tg.load_weights(model, last)
     assert all(torch.isfinite(p).all() for p in model.parameters())
