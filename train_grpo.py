@@ -1,11 +1,18 @@
 """GRPO in one file: rollout -> reward -> advantage -> log-probs -> loss -> update -> log/save.
 
-Read it top to bottom beside notebook.ipynb; the math is in GRPO_SPEC.md and every formula has a test.
+The choices this trainer makes, in the order of one step (`grpo_step`, the README's "The math"):
+  1. Sample G completions per prompt with `model.generate`; score them with plain-Python rewards.
+  2. Advantage = reward minus its group's mean, over the group's std: no value network.
+  3. Old and reference log-probs are detached tensors; current log-probs come from a fresh forward
+     through the DDP wrapper, chunked through lm_head so [rows, T, vocab] logits never exist at once.
+  4. Clipped-ratio loss (five normalizations), optional k3 KL, entropy logged without a graph, and an
+     adaptive entropy bonus whose coefficient is one world number on every rank.
 
     python train_grpo.py                                        # offline: tiny model, built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo on CPU, nccl on GPU)
     python train_grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset gsm8k
 
+Read it top to bottom beside notebook.ipynb; every formula has a test in tests/.
 `import train_grpo` runs nothing: the functions below are what the tests and the notebook import.
 """
 
@@ -44,8 +51,10 @@ def opt(default, help, **kw):
 @dataclass
 class Args:
     # what to train
-    loss_type: str = opt("grpo", "normalization of the per-token objective (GRPO_SPEC step 9)", choices=LOSS_TYPES)
-    use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint is MoE)", choices=(0, 1))
+    loss_type: str = opt("grpo", "normalization of the per-token objective (README: The math, step 9)",
+                         choices=LOSS_TYPES)
+    use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint is MoE)",
+                       choices=(0, 1))
     rollout_engine: str = opt("torch", "how completions are sampled; only 'torch' (model.generate) exists")
     model_name_or_path: str = opt("", "hub name or local dir for from_pretrained; empty: build a tiny model")
     dataset: str = opt("", "gsm8k, a hub dataset, or a .jsonl/.json/.parquet file; empty: built-in task")
@@ -62,18 +71,21 @@ class Args:
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same one)")
     top_p: float = opt(1.0, "nucleus sampling threshold")
     top_k: int = opt(0, "top-k sampling; 0: off")
-    mask_truncated_completions: int = opt(0, "1: completions that never emit EOS get a zero mask", choices=(0, 1))
+    mask_truncated_completions: int = opt(0, "1: completions that never emit EOS get a zero mask",
+                                          choices=(0, 1))
     # objective
     beta: float = opt(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
     epsilon: float = opt(0.2, "lower clip: ratio >= 1 - epsilon")
-    epsilon_high: float = opt(-1.0, "upper clip (cispo: weight cap); < 0: epsilon (cispo: 5.0)")
+    epsilon_high: float = opt(-1.0, "upper clip (cispo: weight cap); -1: epsilon (cispo: 5.0)")
     num_iterations: int = opt(1, "mu: updates per rollout; > 1 computes old log-probs once per rollout")
-    scale_rewards: str = opt("group", "advantage divisor: group std, batch std or none", choices=("group", "batch", "none"))
-    # entropy (GRPO_SPEC steps 10-11)
+    scale_rewards: str = opt("group", "advantage divisor: group std, batch std or none",
+                             choices=("group", "batch", "none"))
+    # entropy (README: The math, steps 10-11)
     entropy_chunk_size: int = opt(128, "rows of logits per chunk when computing entropy")
     logp_chunk_size: int = opt(64, "sequence positions per lm_head chunk for log-probs (recomputed in backward)")
-    entropy_coef: float = opt(0.0, "static entropy bonus alpha (negative pushes entropy down); start value if adaptive")
-    use_adaptive_entropy: int = opt(0, "1: adapt the coefficient toward --entropy_target (Skywork-OR1)", choices=(0, 1))
+    entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start value if adaptive")
+    use_adaptive_entropy: int = opt(0, "1: adapt the coefficient toward --entropy_target (Skywork-OR1)",
+                                    choices=(0, 1))
     entropy_target: float = opt(0.2, "adaptive: target world entropy (nats per token)")
     entropy_coef_delta: float = opt(1e-4, "adaptive: coefficient step per optimizer step")
     entropy_coef_min: float = opt(0.0, "adaptive: lower bound of the coefficient")
@@ -93,15 +105,15 @@ class Args:
     save_dir: str = opt("runs/grpo", "metrics.jsonl, checkpoints and the final model go here")
     save_interval: int = opt(0, "write checkpoint-<step> every N steps; 0: only at the end")
     resume: str = opt("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
-    eval_interval: int = opt(50, "held-out greedy accuracy every N steps (and before/after training)")
+    eval_interval: int = opt(50, "held-out greedy accuracy every N steps (and before/after training); 0: off")
     eval_size: int = opt(256, "held-out prompts (built-in task, or files without a test split)")
     dtype: str = opt("float32", "model dtype", choices=("float32", "bfloat16", "float16"))
-    device: str = opt("auto", "auto, cpu, cuda")
+    device: str = opt("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
     stop_after: int = opt(0, "stop (as if interrupted) after this step; 0: run to max_steps")
 
 
 class TrainerError(Exception):
-    """A problem with the user's input: reported as one line, never a traceback."""
+    """A problem with the user's input: reported as one line `error: ...`, never a traceback."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -111,28 +123,83 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    parser = OneLineParser(description="GRPO trainer (see GRPO_SPEC.md)")
+    parser = OneLineParser(description="GRPO trainer: one file, every formula tested (see README.md)")
     for f in dataclasses.fields(Args):
         parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default,
                             choices=f.metadata.get("choices"), help=f.metadata["help"])
     args = Args(**vars(parser.parse_args(argv)))
-    if args.rollout_engine != "torch":
-        parser.error(f"--rollout_engine {args.rollout_engine} is not available; the only engine is 'torch'")
-    if args.num_generations < 2:
-        parser.error("--num_generations must be >= 2 (a group of one has no baseline)")
-    for name in ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
-                 "logp_chunk_size", "entropy_chunk_size"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name} must be > 0, got {getattr(args, name)}")
-    if args.micro_batch_size < 0 or (args.micro_batch_size and (args.batch_size * args.num_generations) % args.micro_batch_size):
-        parser.error("--micro_batch_size must divide batch_size * num_generations")
-    if args.epsilon_high < 0:
+    for problem in check_args(args):
+        parser.error(problem)
+    if args.epsilon_high == -1.0:
         args.epsilon_high = 5.0 if args.loss_type == "cispo" else args.epsilon
-    if args.resume not in ("", "auto") and not os.path.isdir(args.resume):
-        parser.error(f"--resume {args.resume}: no such checkpoint directory")
     return args
 
 
+def check_args(args):
+    """Every flag against what it means, before any work: yields one message per problem, naming the flag."""
+    a = args
+    rules = [  # (the condition that must hold, the message when it does not)
+        (a.rollout_engine == "torch", f"--rollout_engine {a.rollout_engine} is not available; the only engine "
+                                      "is 'torch'"),
+        (a.num_generations >= 2, f"--num_generations must be >= 2 (a group of one has no baseline), got "
+                                 f"{a.num_generations}"),
+        *[(getattr(a, n) > 0, f"--{n} must be > 0, got {getattr(a, n)}")
+          for n in ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
+                    "logp_chunk_size", "entropy_chunk_size", "learning_rate", "sft_learning_rate",
+                    "temperature")],
+        *[(getattr(a, n) >= 0, f"--{n} must be >= 0, got {getattr(a, n)}")
+          for n in ("micro_batch_size", "top_k", "beta", "weight_decay", "warmup_steps", "grad_clip",
+                    "sft_warmup_steps", "save_interval", "eval_interval", "eval_size", "stop_after",
+                    "entropy_coef_delta", "entropy_coef_min", "entropy_target")],
+        (not a.micro_batch_size or (a.batch_size * a.num_generations) % a.micro_batch_size == 0,
+         f"--micro_batch_size {a.micro_batch_size} must divide batch_size * num_generations = "
+         f"{a.batch_size * a.num_generations}"),
+        (0 <= a.epsilon < 1, f"--epsilon must be in [0, 1), got {a.epsilon}"),
+        (a.epsilon_high >= 0 or a.epsilon_high == -1.0, f"--epsilon_high must be >= 0 (or -1: default), "
+                                                        f"got {a.epsilon_high}"),
+        (0 < a.top_p <= 1, f"--top_p must be in (0, 1], got {a.top_p}"),
+        (a.entropy_coef_min <= a.entropy_coef_max, f"--entropy_coef_min {a.entropy_coef_min} must be <= "
+                                                   f"--entropy_coef_max {a.entropy_coef_max}"),
+        *[(math.isfinite(getattr(a, f.name)), f"--{f.name} must be a finite number, got {getattr(a, f.name)}")
+          for f in dataclasses.fields(a) if f.type is float],
+        (a.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA GPU is visible"),
+        (a.dataset or not a.model_name_or_path, "--model_name_or_path needs --dataset (the built-in task "
+                                                "uses its own tiny tokenizer)"),
+        (not os.path.isfile(a.save_dir), f"--save_dir {a.save_dir} is a file, not a directory"),
+        (a.resume in ("", "auto") or os.path.isdir(a.resume), f"--resume {a.resume}: no such checkpoint "
+                                                               "directory"),
+    ]
+    yield from (message for ok, message in rules if not ok)
+    if a.reward_weights:
+        try:
+            weights = [float(w) for w in a.reward_weights.split(",")]
+        except ValueError:
+            yield f"--reward_weights {a.reward_weights!r}: expected comma-separated numbers such as 1,0.1"
+            return
+        n_rewards = 2 if a.dataset else 1  # built-in task: reverse_reward; a dataset: correct + format
+        if len(weights) != n_rewards or not all(map(math.isfinite, weights)):
+            yield (f"--reward_weights has {len(weights)} value(s) for {n_rewards} reward function(s) "
+                   f"({', '.join(f.__name__ for f in task_rewards(a))}), each finite")
+    yield from check_paths(a)
+
+
+def check_paths(a):
+    """A local model dir must hold a config and weights; a local dataset must be a file."""
+    path = os.path.expanduser(a.model_name_or_path)
+    looks_local = a.model_name_or_path.startswith((".", "/", "~")) or os.path.exists(path)
+    if a.model_name_or_path and looks_local:
+        if not os.path.isdir(path):
+            yield f"--model_name_or_path {a.model_name_or_path}: no such directory"
+        elif not os.path.isfile(os.path.join(path, "config.json")):
+            yield f"--model_name_or_path {a.model_name_or_path}: no config.json in this directory"
+        elif not [f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".safetensors.index.json",
+                                                             ".bin.index.json"))]:
+            yield f"--model_name_or_path {a.model_name_or_path}: no model weights (*.safetensors, *.bin) here"
+    data = os.path.expanduser(a.dataset)
+    if a.dataset and os.path.isdir(data):
+        yield f"--dataset {a.dataset} is a directory; give a .jsonl/.json/.parquet file or a hub name"
+    elif a.dataset and a.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(data):
+        yield f"--dataset {a.dataset}: no such file"
 # ----------------------------------------------------------------------------------------------------
 # Model, tokenizer and data
 # ----------------------------------------------------------------------------------------------------
@@ -238,6 +305,11 @@ def gsm8k_correct(completion, answer):
     return gsm8k_correct_reward(completion, answer) == 1.0
 
 
+def task_rewards(args):
+    """The reward functions of the task: the built-in reversal, or GSM8K's answer + format."""
+    return [gsm8k_correct_reward, gsm8k_format_reward] if args.dataset else [reverse_reward]
+
+
 def load_rows(args):
     """Local .jsonl/.json/.parquet or a hub dataset through `datasets.load_dataset`: (train, eval) rows."""
     import datasets
@@ -303,7 +375,7 @@ def unwrap(model):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Rollout (GRPO_SPEC step 2): sample on the *unwrapped* module, in eval mode, without a graph.
+# Rollout (step 2): sample on the *unwrapped* module, in eval mode, without a graph.
 # ----------------------------------------------------------------------------------------------------
 def completion_mask(completion_ids, eos_token_id):
     # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after
@@ -336,7 +408,7 @@ def decode_completions(tokenizer, completion_ids, mask):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Reward and advantage (GRPO_SPEC steps 3-4)
+# Reward and advantage (steps 3-4)
 # ----------------------------------------------------------------------------------------------------
 def compute_rewards(reward_fns, weights, completions, answers, prompts):
     # r_i = sum_k w_k * reward_k(o_i, answer_i); a reward that raises is an error naming the sample
@@ -365,7 +437,7 @@ def compute_advantages(rewards, num_generations, scale_rewards="group"):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Log-probs and entropy (GRPO_SPEC steps 5-7, 10)
+# Log-probs and entropy (steps 5-7, 10)
 # ----------------------------------------------------------------------------------------------------
 def selective_log_softmax(logits, index):
     # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax
@@ -438,10 +510,10 @@ def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, chunk_size=64, e
 
 
 # ----------------------------------------------------------------------------------------------------
-# The objective (GRPO_SPEC steps 8-9, 11)
+# The objective (steps 8-9, 11)
 # ----------------------------------------------------------------------------------------------------
 def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1, accum_steps=1):
-    """Turn a per-token quantity [rows, T] into the scalar the loss uses (GRPO_SPEC step 9's table)."""
+    """Turn a per-token quantity [rows, T] into the scalar the loss uses (step 9's table in the README)."""
     total = per_token * mask
     if loss_type == "grpo":     # mean_i [ sum_t L m / max(sum_t m, 1) ] / S
         return (total.sum(1) / mask.sum(1).clamp(min=1)).mean() / accum_steps
@@ -512,7 +584,7 @@ def world_sum(*values, device="cpu"):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Checkpoints (GRPO_SPEC step 14): HF-format weights + trainer state, written to a temp dir then renamed.
+# Checkpoints (step 14): HF-format weights + trainer state, written to a temp dir then renamed.
 # ----------------------------------------------------------------------------------------------------
 def rng_state():
     np_state = np.random.get_state()
@@ -611,8 +683,9 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
         ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device)
         target = torch.tensor([tokenizer(r["answer"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
                                for r in rows], device=device)                     # [B, len+1]
-        logps, _, aux = completion_logps(model, torch.cat([ids, target], 1), torch.cat([am, torch.ones_like(target)], 1),
-                                         target.shape[1], chunk_size=args.logp_chunk_size)
+        logps, _, aux = completion_logps(model, torch.cat([ids, target], 1),
+                                         torch.cat([am, torch.ones_like(target)], 1), target.shape[1],
+                                         chunk_size=args.logp_chunk_size)
         loss = -logps.mean() + (aux * unwrap(model).config.router_aux_loss_coef if aux is not None else 0)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -621,303 +694,390 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Set-up: processes, model, data, optimizer. Each function returns what the loop needs.
+# ----------------------------------------------------------------------------------------------------
+def one_line(e):
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+def setup_distributed(args):
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain `python` is one process. Returns rank, world, device."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        return 0, 1, torch.device(auto if args.device == "auto" else args.device)
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def is_moe(model):
+    return hasattr(unwrap(model).config, "router_aux_loss_coef")
+
+
+def load_model_and_tokenizer(args, device):
+    """The built-in tiny model and character tokenizer, or from_pretrained of --model_name_or_path."""
+    if not args.model_name_or_path:
+        tokenizer = build_char_tokenizer(REVERSE_ALPHABET + "=")
+        model = build_tiny_model(len(tokenizer), args.use_moe, tokenizer)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        name, remote = args.model_name_or_path, bool(args.trust_remote_code)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, args.dtype),
+                                                         trust_remote_code=remote)
+        except Exception as e:  # missing files, offline hub, unknown architecture: one line
+            raise TrainerError(f"--model_name_or_path {name}: {one_line(e)}") from None
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if args.use_moe and not is_moe(model):
+            raise TrainerError(f"--use_moe 1 but {name} is a dense model ({model.config.model_type})")
+        # MoE: completion_logps asks the forward for output_router_logits, so the aux loss arrives;
+        # generate() runs without it (its cached, one-token steps would not match the attention mask)
+    model.to(device=device, dtype=getattr(torch, args.dtype))
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, tokenizer
+
+
+def load_task(args, tokenizer, world):
+    """(train rows, eval rows, reward functions, their weights, is_correct); rows are {prompt, answer}."""
+    if not args.dataset:
+        train_rows, eval_rows = make_reverse_task(args.eval_size)
+        is_correct = reverse_correct
+    else:
+        train_rows, eval_rows = ([{"prompt": format_prompt(tokenizer, r["question"]), "answer": r["answer"]}
+                                  for r in rows] for rows in load_rows(args))
+        is_correct = gsm8k_correct
+    reward_fns = task_rewards(args)
+    weights = ([float(w) for w in args.reward_weights.split(",")] if args.reward_weights
+               else [1.0] + [0.1] * (len(reward_fns) - 1))
+    if len(train_rows) < args.batch_size * world:
+        raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than batch_size * ranks = "
+                           f"{args.batch_size * world}")
+    return train_rows, eval_rows, reward_fns, weights, is_correct
+
+
+def wrap_ddp(model, device):
+    """The graph forward goes through this wrapper (its hooks all-reduce gradients); generate() does not."""
+    # Qwen3-MoE keeps each layer's experts in one 3-D parameter, so an expert that got no tokens still
+    # gets a (zero) gradient slice; a model with one module per expert needs find_unused_parameters.
+    per_expert_modules = any(isinstance(m, torch.nn.ModuleList) and name.endswith("experts")
+                             for name, m in model.named_modules())
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+               find_unused_parameters=per_expert_modules)
+
+
+def lr_factor(step, *, warmup_steps, max_steps, schedule):
+    # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1 (constant)
+    # or 0.5 (1 + cos(pi * progress)) (cosine), progress = (step - warmup) / (max_steps - warmup)
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_optimizer(policy, args):
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, warmup_steps=args.warmup_steps, max_steps=args.max_steps, schedule=args.lr_scheduler))
+    return optimizer, scheduler
+
+
+@dataclass
+class TrainState:
+    """Everything the loop carries from one step to the next (all of it goes into a checkpoint)."""
+    step: int = 0
+    sampler_epoch: int = 0
+    sampler_pos: int = 0
+    entropy_coef: float = 0.0          # c: the adaptive coefficient (or the static alpha)
+    entropy_coef_applied: float = 0.0  # alpha used in the next step's loss
+    world_entropy: float = float("nan")
+    bad_in_a_row: int = 0              # consecutive steps skipped for a non-finite loss or grad norm
+    truncated_prompts: int = 0         # prompts left-truncated so far, all ranks
+
+
+def next_prompts(sampler, train_rows, state, batch_size):
+    """Step 1: this rank's B prompts, in the DistributedSampler's order (a new permutation each epoch)."""
+    sampler.set_epoch(state.sampler_epoch)
+    order = list(sampler)
+    if state.sampler_pos + batch_size > len(order):
+        state.sampler_epoch, state.sampler_pos = state.sampler_epoch + 1, 0
+        sampler.set_epoch(state.sampler_epoch)
+        order = list(sampler)
+    rows = [train_rows[i] for i in order[state.sampler_pos:state.sampler_pos + batch_size]]
+    state.sampler_pos += batch_size
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# One GRPO step: stages 1-13, in order. The functions it calls are defined above.
+# ----------------------------------------------------------------------------------------------------
+def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, weights, state, world, device):
+    """One step on this rank's B prompts. `model` is the DDP wrapper under torchrun, the policy otherwise.
+    Updates `state` in place and returns the step's metrics (world averages)."""
+    t0, G, policy = time.time(), args.num_generations, unwrap(model)
+    # 1. prompts: each repeated G times so a group is contiguous; left-padded, left-truncated
+    prompts = [r["prompt"] for r in rows for _ in range(G)]
+    answers = [r["answer"] for r in rows for _ in range(G)]
+    prompt_ids, prompt_mask, n_cut = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
+
+    # 2. rollout on the unwrapped policy, no graph: m = 1 up to and including the first EOS
+    t_gen = time.time()
+    completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
+                                              max_gen_len=args.max_gen_len, temperature=args.temperature,
+                                              top_p=args.top_p, top_k=args.top_k)  # [rows, T]
+    gen_time = time.time() - t_gen
+    if args.mask_truncated_completions:
+        mask = mask * (~truncated).unsqueeze(1)
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)                       # [rows, P + T]
+    attention_mask = torch.cat([prompt_mask, mask], 1)
+    T = completion_ids.shape[1]
+
+    # 3. reward r_i = sum_k w_k reward_k(o_i)   4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4)
+    completions = decode_completions(tokenizer, completion_ids, mask)
+    rewards = compute_rewards(reward_fns, weights, completions, answers, prompts)  # [rows]
+    advantages = compute_advantages(rewards, G, args.scale_rewards).to(device)    # [rows]
+
+    # 5-6. reference and old log-probs: plain tensors, no graph (old only when mu > 1; else logps.detach())
+    lp_kw = dict(temperature=args.temperature, chunk_size=args.logp_chunk_size)
+    with torch.no_grad():
+        ref_logps = (completion_logps(ref_model, input_ids, attention_mask, T, **lp_kw)[0]
+                     if ref_model is not None else None)
+        old_logps = (completion_logps(model, input_ids, attention_mask, T, **lp_kw)[0]
+                     if args.num_iterations > 1 else None)
+    num_items = world_sum(mask.sum().item(), device=device)[0]                   # N: masked tokens, all ranks
+
+    # 7-13. mu updates per rollout: current log-probs, loss, backward, clip, optimizer step
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, advantages=advantages,
+                 old_logps=old_logps, ref_logps=ref_logps, num_items=num_items)
+    for it in range(args.num_iterations):
+        sums = accumulate_gradients(model, batch, args, state.entropy_coef_applied, world)
+        if it == 0:
+            entropy_sum = sums["entropy_sum"]  # entropy of the policy that sampled: a sum on this rank
+        grad_norm = clipped_optimizer_step(policy, optimizer, args.grad_clip, sums["loss"], state, device)
+
+    # 11. entropy coefficient: one world entropy (a sum and a count), one rule, the same c on every rank
+    state.world_entropy = world_mean(entropy_sum, mask.sum().item(), device=device)
+    coef_used = state.entropy_coef_applied
+    if args.use_adaptive_entropy:
+        state.entropy_coef, state.entropy_coef_applied = update_entropy_coef(
+            state.entropy_coef, state.world_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
+            coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
+
+    # metrics: world averages of this rank's numbers
+    r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut = world_sum(
+        rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(), mask.sum(1).float().mean(),
+        truncated.float().mean(), (rewards.view(-1, G).std(1) == 0).float().mean(), sums["loss"],
+        sums["policy_loss"], sums["kl"], sums["clip"], sums["aux"], n_cut // G, device=device)
+    state.truncated_prompts += int(cut)
+    dt = time.time() - t0
+    record = {"reward": r_mean / world, "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
+              "frac_reward_zero_std": zero_std / world, "advantage_std": math.sqrt(adv_sq / world),
+              "loss": loss / world, "policy_loss": pl / world, "kl": kl / world, "entropy": state.world_entropy,
+              "entropy_coef": state.entropy_coef, "entropy_coef_applied": coef_used, "clip_ratio": clip / world,
+              "completion_len": c_len / world, "truncated_frac": trunc / world, "grad_norm": grad_norm.item(),
+              "step_time": dt, "generate_time": gen_time, "tokens_per_s": num_items / dt,
+              "skipped_steps_in_a_row": state.bad_in_a_row, "truncated_prompts": state.truncated_prompts}
+    if is_moe(model):
+        record["aux_loss"] = aux / world
+    return record
+
+
+def accumulate_gradients(model, batch, args, entropy_coef, world):
+    """Steps 7-12 over S micro-batches: current log-probs through `model` (the DDP wrapper), the loss,
+    backward. Gradients add up over micro-batches; DDP all-reduces them on the last one only."""
+    rows = batch["input_ids"].shape[0]
+    micro = args.micro_batch_size or rows
+    S = rows // micro                                                             # accumulation micro-steps
+    T = batch["mask"].shape[1]
+    sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip": 0.0, "aux": 0.0, "entropy_sum": 0.0}
+    for m in range(S):
+        sl = slice(m * micro, (m + 1) * micro)
+        if isinstance(model, DDP):
+            model.require_backward_grad_sync = m == S - 1
+        # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper; entropy in the graph only if it is used
+        logps, entropy, aux = completion_logps(model, batch["input_ids"][sl], batch["attention_mask"][sl], T,
+                                               temperature=args.temperature, chunk_size=args.logp_chunk_size,
+                                               entropy_grad=entropy_coef != 0.0,
+                                               entropy_chunk_size=args.entropy_chunk_size)
+        old = batch["old_logps"][sl] if batch["old_logps"] is not None else logps.detach()
+        ref = batch["ref_logps"][sl] if batch["ref_logps"] is not None else None
+        # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
+        loss, stats = grpo_loss(logps, old, batch["advantages"][sl], batch["mask"][sl], loss_type=args.loss_type,
+                                epsilon=args.epsilon, epsilon_high=args.epsilon_high, ref_logps=ref,
+                                beta=args.beta, max_gen_len=args.max_gen_len, num_items=batch["num_items"],
+                                world_size=world, entropy=entropy, entropy_coef=entropy_coef, accum_steps=S)
+        if aux is not None:  # 12. MoE router load-balancing loss, scaled by the config's coefficient
+            loss = loss + unwrap(model).config.router_aux_loss_coef * aux / S
+            sums["aux"] += aux.item() / S
+        loss.backward()
+        sums["loss"] += loss.item()
+        sums["policy_loss"] += stats["policy_loss"].item()
+        sums["kl"] += stats.get("kl", torch.tensor(0.0)).item() / S
+        sums["clip"] += stats["clip_ratio"].item() / S
+        sums["entropy_sum"] += (entropy.detach() * batch["mask"][sl]).sum().item()
+    return sums
+
+
+def clipped_optimizer_step(policy, optimizer, grad_clip, loss, state, device):
+    """Step 13: clip the global grad norm, step, zero the gradients. A step whose loss or grad norm is not
+    finite on any rank is skipped on every rank (a world decision), and counted."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    n_bad = world_sum(not (torch.isfinite(grad_norm) and math.isfinite(loss)), device=device)[0]
+    if n_bad == 0:
+        optimizer.step()
+        state.bad_in_a_row = 0
+    else:
+        state.bad_in_a_row += 1
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resume, log, save (step 14)
+# ----------------------------------------------------------------------------------------------------
+def resume(ckpt, policy, optimizer, scheduler, rank, metrics_path):
+    """Restore weights, optimizer, scheduler, loop state and this rank's RNG; trim the log to the checkpoint."""
+    load_weights(policy, ckpt)
+    saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(saved.pop("optimizer"))
+    scheduler.load_state_dict(saved.pop("scheduler"))
+    state = TrainState(**saved)
+    rng_file = os.path.join(ckpt, f"rng_state_{rank}.pt")
+    if not os.path.isfile(rng_file):
+        raise TrainerError(f"checkpoint {ckpt} was written by fewer ranks (no {os.path.basename(rng_file)})")
+    set_rng_state(torch.load(rng_file, weights_only=True))
+    if rank == 0:  # keep the log of the steps this checkpoint contains, drop any logged after it
+        kept = []
+        if os.path.exists(metrics_path):
+            kept = [ln for ln in open(metrics_path) if json.loads(ln).get("step", 0) <= state.step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+        print(f"resumed from {ckpt} at step {state.step}")
+    return state
+
+
+def log_metrics(metrics_path, record, rank):
+    if rank == 0:
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def save(args, model, tokenizer, optimizer, scheduler, state, rank):
+    trainer_state = {**dataclasses.asdict(state), "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict()}
+    save_checkpoint(args.save_dir, state.step, model, tokenizer, trainer_state, rank)
+
+
+# ----------------------------------------------------------------------------------------------------
 # main: set-up, then the loop in plain sight
 # ----------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-
-    # --- distributed set-up: torchrun sets RANK/WORLD_SIZE; plain python is one process ---
-    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if ddp:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        use_cuda = torch.cuda.is_available() and args.device != "cpu"
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-        if use_cuda:
-            torch.cuda.set_device(device)
-    else:
-        rank, world = 0, 1
-        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    master = rank == 0
+    rank, world, device = setup_distributed(args)
     try:
-        return train(args, rank, world, device, master, ddp)
+        return train(args, rank, world, device)
     finally:
-        if ddp and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def train(args, rank, world, device, master, ddp):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    dtype = getattr(torch, args.dtype)
+def train(args, rank, world, device):
+    master = rank == 0
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
 
-    # --- model and tokenizer ---
-    builtin = not args.model_name_or_path
-    if builtin:
-        tokenizer = build_char_tokenizer(REVERSE_ALPHABET + "=")
-        model = build_tiny_model(len(tokenizer), args.use_moe, tokenizer)
-    else:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=bool(args.trust_remote_code))
-            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype,
-                                                         trust_remote_code=bool(args.trust_remote_code))
-        except OSError as e:
-            raise TrainerError(f"--model_name_or_path {args.model_name_or_path}: {str(e).splitlines()[0]}") from None
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        is_moe = hasattr(model.config, "router_aux_loss_coef")
-        if args.use_moe and not is_moe:
-            raise TrainerError(f"--use_moe 1 but {args.model_name_or_path} is a dense model ({model.config.model_type})")
-        # MoE: completion_logps asks the forward for output_router_logits, so the aux loss arrives;
-        # generate() runs without it (its cached, one-token steps would not match the attention mask)
-    model.to(device=device, dtype=dtype)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    moe = hasattr(model.config, "router_aux_loss_coef")
-
-    # --- data ---
-    if not args.dataset:
-        if not builtin:
-            raise TrainerError("--model_name_or_path needs --dataset (the built-in task uses its own tiny tokenizer)")
-        train_rows, eval_rows = make_reverse_task(args.eval_size)
-        reward_fns, is_correct = [reverse_reward], reverse_correct
-    else:
-        train_rows, eval_rows = ([{"prompt": format_prompt(tokenizer, r["question"]), "answer": r["answer"]} for r in rows]
-                                 for rows in load_rows(args))
-        reward_fns, is_correct = [gsm8k_correct_reward, gsm8k_format_reward], gsm8k_correct
-    weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else [1.0] + [0.1] * (len(reward_fns) - 1)
-    if len(weights) != len(reward_fns):
-        raise TrainerError(f"--reward_weights has {len(weights)} values for {len(reward_fns)} reward functions "
-                           f"({', '.join(f.__name__ for f in reward_fns)})")
-    if len(train_rows) < args.batch_size * world:
-        raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than batch_size * ranks = {args.batch_size * world}")
+    # --- model, data, DDP, reference, optimizer ---
+    policy, tokenizer = load_model_and_tokenizer(args, device)
+    train_rows, eval_rows, reward_fns, weights, is_correct = load_task(args, tokenizer, world)
     sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
-
-    # --- DDP wrapper: the graph forward goes through it; generate() runs on model.module ---
-    policy = model
-    if ddp:
-        # Qwen3-MoE keeps each layer's experts in one 3-D parameter, so an expert that got no tokens still
-        # gets a (zero) gradient slice; a model with one module per expert needs find_unused_parameters.
-        per_expert_modules = any(isinstance(m, torch.nn.ModuleList) and name.endswith("experts")
-                                 for name, m in model.named_modules())
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    find_unused_parameters=per_expert_modules)
-    if builtin and args.sft_warmup_steps > 0:
+    model = wrap_ddp(policy, device) if world > 1 else policy
+    if not args.model_name_or_path and args.sft_warmup_steps > 0:
         # deterministic, so a resumed run redoes it and gets the same reference model
         sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
     ref_model = None
     if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
         import copy
         ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer, scheduler = build_optimizer(policy, args)
 
-    def lr_lambda(step):  # linear warmup, then constant or cosine to 0
-        if step < args.warmup_steps:
-            return (step + 1) / (args.warmup_steps + 1)
-        if args.lr_scheduler == "constant":
-            return 1.0
-        progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-
-    # --- state of the loop (all of it goes into a checkpoint) ---
-    step, epoch, pos = 0, 0, 0
-    entropy_coef = args.entropy_coef                    # c: the adaptive coefficient (or the static alpha)
-    applied_coef = args.entropy_coef                    # alpha used in this step's loss
-    world_entropy = float("nan")
-    bad_in_a_row = 0
-    total_cut = 0                                        # prompts left-truncated so far, all ranks
+    # --- fresh start or resume ---
     if master:
         os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
     ckpt = find_checkpoint(args.save_dir) if args.resume == "auto" else (args.resume or None)
     if ckpt:
-        load_weights(policy, ckpt)
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, epoch, pos = state["step"], state["sampler_epoch"], state["sampler_pos"]
-        entropy_coef, applied_coef = state["entropy_coef"], state["entropy_coef_applied"]
-        world_entropy, bad_in_a_row, total_cut = state["world_entropy"], state["bad_in_a_row"], state["truncated_prompts"]
-        rng_file = os.path.join(ckpt, f"rng_state_{rank}.pt")
-        if not os.path.isfile(rng_file):
-            raise TrainerError(f"checkpoint {ckpt} was written by fewer ranks (no {os.path.basename(rng_file)})")
-        set_rng_state(torch.load(rng_file, weights_only=True))
-        if master:  # keep the log of the steps this checkpoint contains, drop any logged after it
-            kept = []
-            if os.path.exists(metrics_path):
-                kept = [ln for ln in open(metrics_path) if json.loads(ln).get("step", 0) <= step]
-            with open(metrics_path, "w") as f:
-                f.writelines(kept)
-            print(f"resumed from {ckpt} at step {step}")
+        state = resume(ckpt, policy, optimizer, scheduler, rank, metrics_path)
     else:
+        state = TrainState(entropy_coef=args.entropy_coef, entropy_coef_applied=args.entropy_coef)
         torch.manual_seed(args.seed + 1 + rank)  # ranks sample differently; RNG no longer depends on the warmup
         random.seed(args.seed + 1 + rank)
         if master:
             open(metrics_path, "w").close()
-    sampler.set_epoch(epoch)
-    order = list(sampler)
+        if args.eval_interval > 0:
+            acc = evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device)
+            log_metrics(metrics_path, {"step": 0, "eval_accuracy": acc}, rank)
+            if master:
+                print(f"eval_accuracy before GRPO: {acc:.3f}")
 
-    def log(record):
-        if master:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    if not ckpt and args.eval_interval > 0:
-        acc = evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device)
-        log({"step": 0, "eval_accuracy": acc})
-        if master:
-            print(f"eval_accuracy before GRPO: {acc:.3f}")
-
+    # --- the loop: prompts, one GRPO step, schedule, evaluate, log, save ---
     model.train()
     warned_cut = False
-    rows_per_step = args.batch_size * args.num_generations
-    micro = args.micro_batch_size or rows_per_step
-    S = rows_per_step // micro                                                    # accumulation micro-steps
-    bar = tqdm(range(step + 1, args.max_steps + 1), initial=step, total=args.max_steps, disable=not master, desc="grpo")
+    bar = tqdm(range(state.step + 1, args.max_steps + 1), initial=state.step, total=args.max_steps,
+               disable=not master, desc="grpo")
     for step in bar:
-        t0 = time.time()
-        # 1. prompts: B per rank through the DistributedSampler, each repeated G times (a contiguous group)
-        if pos + args.batch_size > len(order):
-            epoch, pos = epoch + 1, 0
-            sampler.set_epoch(epoch)
-            order = list(sampler)
-        rows = [train_rows[i] for i in order[pos:pos + args.batch_size]]
-        pos += args.batch_size
-        prompts = [r["prompt"] for r in rows for _ in range(args.num_generations)]
-        answers = [r["answer"] for r in rows for _ in range(args.num_generations)]
-        prompt_ids, prompt_mask, n_cut = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
-        if n_cut and not warned_cut and master:
+        state.step = step
+        rows = next_prompts(sampler, train_rows, state, args.batch_size)
+        cut_before = state.truncated_prompts
+        record = {"step": step, **grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns,
+                                            weights, state, world, device)}
+        scheduler.step()
+        record["lr"] = scheduler.get_last_lr()[0]
+        if state.truncated_prompts > cut_before and not warned_cut and master:
             print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are left-truncated")
             warned_cut = True
-
-        # 2. rollout on the unwrapped policy
-        t_gen = time.time()
-        completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer, max_gen_len=args.max_gen_len,
-                                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-        gen_time = time.time() - t_gen
-        if args.mask_truncated_completions:
-            mask = mask * (~truncated).unsqueeze(1)
-        input_ids = torch.cat([prompt_ids, completion_ids], 1)                   # [rows, P + T]
-        attention_mask = torch.cat([prompt_mask, mask], 1)
-        T = completion_ids.shape[1]
-
-        # 3-4. reward and group-relative advantage
-        completions = decode_completions(tokenizer, completion_ids, mask)
-        rewards = compute_rewards(reward_fns, weights, completions, answers, prompts)  # [rows]
-        advantages = compute_advantages(rewards, args.num_generations, args.scale_rewards).to(device)
-        zero_std = (rewards.view(-1, args.num_generations).std(1) == 0).float().mean().item()
-
-        # 5-6. reference and old log-probs: plain tensors, no graph
-        with torch.no_grad():
-            ref_logps = completion_logps(ref_model, input_ids, attention_mask, T, temperature=args.temperature,
-                                         chunk_size=args.logp_chunk_size)[0] if ref_model is not None else None
-            old_all = completion_logps(model, input_ids, attention_mask, T, temperature=args.temperature,
-                                       chunk_size=args.logp_chunk_size)[0] if args.num_iterations > 1 else None
-        num_items = world_sum(mask.sum().item(), device=device)[0]               # N: masked tokens, all ranks
-        ent_sum, ent_count = 0.0, mask.sum().item()
-
-        # 7-11. current log-probs through the DDP wrapper, loss, backward (mu updates per rollout)
-        for it in range(args.num_iterations):
-            sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip": 0.0, "aux": 0.0}
-            for m in range(S):
-                sl = slice(m * micro, (m + 1) * micro)
-                if ddp:  # all-reduce gradients only on the last micro-step
-                    model.require_backward_grad_sync = m == S - 1
-                logps, entropy, aux = completion_logps(model, input_ids[sl], attention_mask[sl], T,
-                                                       temperature=args.temperature, chunk_size=args.logp_chunk_size,
-                                                       entropy_grad=applied_coef != 0.0,
-                                                       entropy_chunk_size=args.entropy_chunk_size)
-                old = old_all[sl] if old_all is not None else logps.detach()
-                loss, stats = grpo_loss(logps, old, advantages[sl], mask[sl], loss_type=args.loss_type,
-                                        epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-                                        ref_logps=ref_logps[sl] if ref_logps is not None else None, beta=args.beta,
-                                        max_gen_len=args.max_gen_len, num_items=num_items, world_size=world,
-                                        entropy=entropy, entropy_coef=applied_coef, accum_steps=S)
-                if aux is not None:  # MoE router load-balancing loss, scaled by the config's coefficient
-                    loss = loss + unwrap(model).config.router_aux_loss_coef * aux / S
-                    sums["aux"] += aux.item() / S
-                loss.backward()
-                sums["loss"] += loss.item()
-                sums["policy_loss"] += stats["policy_loss"].item()
-                sums["kl"] += stats.get("kl", torch.tensor(0.0)).item() / S
-                sums["clip"] += stats["clip_ratio"].item() / S
-                if it == 0:  # entropy of the rollout policy: a sum and a count on this rank
-                    ent_sum += (entropy.detach() * mask[sl]).sum().item()
-
-            # 13. update: clip, step, schedule; a non-finite step is skipped and counted
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-            # decided on world numbers, so that every rank skips the same steps
-            n_bad = world_sum(not (torch.isfinite(grad_norm) and math.isfinite(sums["loss"])), device=device)[0]
-            if n_bad == 0:
-                optimizer.step()
-                bad_in_a_row = 0
-            else:
-                bad_in_a_row += 1
-            optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if bad_in_a_row >= 3:
-            good = find_checkpoint(args.save_dir)
+        if state.bad_in_a_row >= 3:
             raise TrainerError(f"step {step}: loss or grad norm not finite for 3 steps in a row; stopping "
-                               f"(last good checkpoint: {good or 'none'})")
-
-        # 11. entropy coefficient: one world entropy (a sum and a count), one rule, the same c on every rank
-        world_entropy = world_mean(ent_sum, ent_count, device=device)
-        coef_used = applied_coef
-        if args.use_adaptive_entropy:
-            entropy_coef, applied_coef = update_entropy_coef(entropy_coef, world_entropy, target=args.entropy_target,
-                                                             delta=args.entropy_coef_delta, coef_min=args.entropy_coef_min,
-                                                             coef_max=args.entropy_coef_max)
-
-        # 14. log (rank 0) and save
-        r_mean, r_sq, adv_sq, c_len, trunc, zs, loss_sum, pl, kl, clip, aux_s, cut = world_sum(
-            rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(), mask.sum(1).float().mean(),
-            truncated.float().mean(), zero_std, sums["loss"], sums["policy_loss"], sums["kl"], sums["clip"], sums["aux"],
-            n_cut // args.num_generations, device=device)
-        total_cut += int(cut)
-        dt = time.time() - t0
-        record = {"step": step, "reward": r_mean / world, "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
-                  "frac_reward_zero_std": zs / world, "advantage_std": math.sqrt(adv_sq / world),
-                  "loss": loss_sum / world, "policy_loss": pl / world, "kl": kl / world, "entropy": world_entropy,
-                  "entropy_coef": entropy_coef, "entropy_coef_applied": coef_used, "clip_ratio": clip / world,
-                  "completion_len": c_len / world, "truncated_frac": trunc / world,
-                  "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0], "step_time": dt,
-                  "generate_time": gen_time, "tokens_per_s": num_items / dt, "skipped_steps_in_a_row": bad_in_a_row,
-                  "truncated_prompts": total_cut}
-        if moe:
-            record["aux_loss"] = aux_s / world
+                               f"(last good checkpoint: {find_checkpoint(args.save_dir) or 'none'})")
         if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
             record["eval_accuracy"] = evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device)
-        log(record)
+        log_metrics(metrics_path, record, rank)
         bar.set_postfix(reward=f"{record['reward']:.3f}", acc=record.get("eval_accuracy", ""))
         stopping = args.stop_after and step >= args.stop_after
         if (args.save_interval and step % args.save_interval == 0) or step == args.max_steps or stopping:
-            state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                     "sampler_epoch": epoch, "sampler_pos": pos, "entropy_coef": entropy_coef,
-                     "entropy_coef_applied": applied_coef, "world_entropy": world_entropy, "bad_in_a_row": bad_in_a_row,
-                     "truncated_prompts": total_cut}
-            save_checkpoint(args.save_dir, step, model, tokenizer, state, rank)
+            save(args, model, tokenizer, optimizer, scheduler, state, rank)
         if stopping:
             break
 
-    if master and step == args.max_steps:  # the final model: a plain transformers directory
+    if master and state.step == args.max_steps:  # the final model: a plain transformers directory
         final = os.path.join(args.save_dir, "final")
         policy.save_pretrained(final, safe_serialization=True)
         tokenizer.save_pretrained(final)
         print(f"saved {final}")
     barrier()
-    return {"model": policy, "step": step, "entropy_coef": entropy_coef, "entropy_coef_applied": applied_coef,
-            "world_entropy": world_entropy}
+    return {"model": policy, "step": state.step, "entropy_coef": state.entropy_coef,
+            "entropy_coef_applied": state.entropy_coef_applied, "world_entropy": state.world_entropy}
+
+
+def cli(argv=None):
+    """The command line: train; a problem with the user's input is one line `error: ...` and exit status 1
+    (a bad flag: exit status 2, from the parser)."""
+    try:
+        main(argv)
+    except TrainerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except TrainerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(cli())

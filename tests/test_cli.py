@@ -1,4 +1,4 @@
-"""The command line: end-to-end runs, HF-format outputs, bad input as one line (GRPO_SPEC steps 13-14)."""
+"""The command line: end-to-end runs, HF-format outputs, bad input as one line (steps 13-14 of the README's "The math")."""
 import json
 import math
 

@@ -1,4 +1,4 @@
-"""DDP for real: 2 gloo processes on CPU, ranks fed different prompts (GRPO_SPEC steps 1, 7, 11, 12)."""
+"""DDP for real: 2 gloo processes on CPU, ranks fed different prompts (steps 1, 7, 11, 12)."""
 import json
 
 import torch

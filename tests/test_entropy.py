@@ -1,4 +1,4 @@
-"""Entropy (GRPO_SPEC steps 7, 10, 11): chunked, graph-free when only logged, one coefficient for the world."""
+"""Entropy (steps 7, 10, 11): chunked, graph-free when only logged, one coefficient for the world."""
 import json
 
 import pytest

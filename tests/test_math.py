@@ -1,4 +1,4 @@
-"""The formulas of GRPO_SPEC steps 2, 4, 8, 9 against hand-derived values."""
+"""The formulas of steps 2, 4, 8, 9 (README, "The math") against hand-derived values."""
 import math
 import statistics
 
