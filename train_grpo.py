@@ -18,6 +18,7 @@ Read it top to bottom beside notebook.ipynb; every formula has a test in tests/.
 
 import argparse
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -114,6 +115,10 @@ class Args:
 
 class TrainerError(Exception):
     """A problem with the user's input: reported as one line `error: ...`, never a traceback."""
+
+
+def one_line(e):
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -258,14 +263,15 @@ def reverse_correct(completion, answer):
 # GSM8K: the reference is the number after "####". The model is asked to end with the same form.
 GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer alone on the "
                        "last line as '#### <number>'.")
-_NUMBER = r"-?[$]?\s*-?\d[\d,]*(?:\.\d+)?"
+# digits in groups of three may be separated by ',', LaTeX's '{,}' or a space ('1{,}000', '1 000')
+_NUMBER = r"-?[$]?\s*-?(?:\d{1,3}(?:(?:\{,\}| )\d{3})+(?!\d)|\d[\d,]*)(?:\.\d+)?"
 
 
 def parse_number(text):
     """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact: no float rounding, no eval."""
     if text is None:
         return None
-    t = text.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    t = text.strip().replace("{,}", "").replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
     neg = t.startswith("-")
     t = t.lstrip("-")
     if not re.fullmatch(r"\d+(?:\.\d+)?", t):
@@ -389,14 +395,24 @@ def completion_mask(completion_ids, eos_token_id):
 @torch.no_grad()
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
             temperature=1.0, top_p=1.0, top_k=0):
-    """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T], truncated [rows]."""
-    was_training = policy.training
+    """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T], truncated [rows].
+
+    The sampling distribution is softmax(z / temperature) (then top-k / top-p, if asked), and nothing else:
+    a checkpoint's generation_config.json (repetition_penalty, no_repeat_ngram_size, min_new_tokens, ...)
+    would make the sampler draw from a distribution the loss never scores, so it is set aside here."""
+    from transformers import GenerationConfig
+    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample,
+                              temperature=temperature if do_sample else 1.0, top_p=top_p if do_sample else 1.0,
+                              top_k=top_k if do_sample else 0, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    was_training, checkpoint_config = policy.training, policy.generation_config
     policy.eval()
-    out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_gen_len,
-                          do_sample=do_sample, temperature=temperature if do_sample else None,
-                          top_p=top_p if do_sample else None, top_k=top_k if do_sample else None,
-                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    policy.train(was_training)
+    policy.generation_config = GenerationConfig()  # generate() fills unset fields from this: library defaults only
+    try:
+        out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    finally:
+        policy.generation_config = checkpoint_config
+        policy.train(was_training)
     completion_ids = out[:, input_ids.shape[1]:]                                  # [rows, T <= max_gen_len]
     mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
     return completion_ids, mask, truncated
@@ -423,14 +439,15 @@ def compute_rewards(reward_fns, weights, completions, answers, prompts):
     return rewards
 
 
-def compute_advantages(rewards, num_generations, scale_rewards="group"):
-    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4); std is the unbiased sample std, as in TRL
+def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
+    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4); std is the unbiased sample std, as in TRL.
+    # "batch" divides by batch_std (the trainer passes the std over all ranks), else by this batch's std
     grouped = rewards.view(-1, num_generations)                                   # [B, G]
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_rewards == "group":
         centered = centered / (grouped.std(dim=1, keepdim=True) + 1e-4)
     elif scale_rewards == "batch":
-        centered = centered / (rewards.std() + 1e-4)
+        centered = centered / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
     elif scale_rewards != "none":
         raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
     return centered.reshape(-1)                                                   # [B*G]
@@ -460,8 +477,48 @@ def entropy_from_logits(logits, chunk_size=128):
     return torch.cat(chunks).view(logits.shape[:-1])                              # logits.shape without V
 
 
+def lm_logits(model, hidden):
+    # z = lm_head(h), then what the model's own forward applies after it: Cohere z * logit_scale,
+    # Granite z / logits_scaling, Gemma-2/3 cap * tanh(z / cap). check_output_head() refuses any other.
+    config = model.config.get_text_config()
+    z = model.get_output_embeddings()(hidden)
+    if getattr(config, "logit_scale", None) is not None:
+        z = z * config.logit_scale
+    if getattr(config, "logits_scaling", None) is not None:
+        z = z / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):
+        z = torch.tanh(z / config.final_logit_softcapping) * config.final_logit_softcapping
+    return z
+
+
+@torch.no_grad()
+def check_output_head(model):
+    """Log-probs come from lm_logits(last hidden state): refuse a model whose forward does something else."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]       # [1, 8] arbitrary tokens
+    was_training = model.training
+    out = model.eval()(input_ids=ids, output_hidden_states=True, use_cache=False)
+    model.train(was_training)
+    ours, theirs = lm_logits(model, out.hidden_states[-1]).float(), out.logits.float()
+    if not torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * theirs.abs().max().item()):
+        raise TrainerError(f"{type(model).__name__}'s forward post-processes its logits in a way train_grpo.lm_logits "
+                           f"does not (max difference {(ours - theirs).abs().max().item():.3g}); add it there")
+
+
+def disable_dropout(model):
+    """RL scores the policy that sampled: dropout would make log-probs noisy (ratio != 1 and KL != 0 at equal
+    weights), so every dropout probability is set to 0 (module attributes only; the saved config keeps its own)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
 def _chunk_logps_entropy(lm_head, hidden, targets, temperature, entropy_grad, entropy_chunk_size, with_entropy=True):
-    """One sequence chunk: hidden [rows, c, H] -> logits [rows, c, V] (exists only inside this chunk)."""
+    """One sequence chunk: hidden [rows, c, H] -> logits [rows, c, V] (exists only inside this chunk).
+    lm_head: anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear)."""
     logits = lm_head(hidden).float() / temperature
     logps = selective_log_softmax(logits, targets)
     if not with_entropy:
@@ -486,7 +543,8 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
                 output_hidden_states=True, logits_to_keep=1, **({"output_router_logits": True} if moe else {}))
     hidden = out.hidden_states[-1][:, -T - 1:-1, :]                               # [rows, T, H]: state before token t
     targets = input_ids[:, -T:]                                                   # [rows, T]
-    logps, entropy = chunked_logps(unwrap(model).get_output_embeddings(), hidden, targets, temperature=temperature,
+    head = functools.partial(lm_logits, unwrap(model))                         # lm_head + the model's post-processing
+    logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature,
                                    chunk_size=chunk_size, entropy_grad=entropy_grad,
                                    entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
     aux = getattr(out, "aux_loss", None) if moe else None
@@ -575,6 +633,12 @@ def world_mean(local_sum, local_count, device="cpu"):
     return total / max(count, 1.0)
 
 
+def world_std(values, device="cpu"):
+    # unbiased std over all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in float64
+    s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(), device=device)
+    return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
+
+
 def world_sum(*values, device="cpu"):
     """Sum float values over all ranks (identity in a single process)."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
@@ -636,23 +700,28 @@ def find_checkpoint(save_dir):
     return max(done, key=lambda p: int(p.rsplit("-", 1)[1])) if done else None
 
 
-def load_weights(model, ckpt):
-    """Load checkpoint weights, refusing one saved from a model of another shape."""
-    from safetensors.torch import load_file
-    path = os.path.join(ckpt, "model.safetensors")
-    if not os.path.isfile(path):
+def load_weights(model, ckpt, trust_remote_code=False):
+    """Load checkpoint weights, refusing one saved from a model of another shape. Read through from_pretrained:
+    transformers saves some weights in another layout than it holds them (MoE experts, one tensor each on disk,
+    one fused tensor per layer in memory) and only its loader converts them back."""
+    from transformers import AutoModelForCausalLM
+    if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
         raise TrainerError(f"checkpoint {ckpt} has no model.safetensors")
-    saved, own = load_file(path), model.state_dict()
+    try:
+        saved = AutoModelForCausalLM.from_pretrained(ckpt, dtype=next(model.parameters()).dtype,
+                                                     trust_remote_code=trust_remote_code).state_dict()
+    except Exception as e:
+        raise TrainerError(f"checkpoint {ckpt} could not be loaded: {one_line(e)}") from None
+    own = model.state_dict()
     for k, v in saved.items():
         if k not in own or own[k].shape != v.shape:
             theirs = tuple(own[k].shape) if k in own else "absent"
             raise TrainerError(f"checkpoint {ckpt} is from another model shape: {k} is {tuple(v.shape)} there, {theirs} here")
-    missing = [k for k in own if k not in saved and k not in getattr(model, "_tied_weights_keys", {}) and "lm_head" not in k]
+    missing = [k for k in own if k not in saved]
     if missing:
-        raise TrainerError(f"checkpoint {ckpt} is from another model: it lacks {missing[0]} (and {len(missing) - 1} more)")
-    model.load_state_dict(saved, strict=False)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
+        raise TrainerError(f"checkpoint {ckpt} is from another model: it lacks {missing[0]} "
+                           f"(and {len(missing) - 1} more)")
+    model.load_state_dict(saved)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -696,10 +765,6 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 # ----------------------------------------------------------------------------------------------------
 # Set-up: processes, model, data, optimizer. Each function returns what the loop needs.
 # ----------------------------------------------------------------------------------------------------
-def one_line(e):
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-
-
 def setup_distributed(args):
     """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain `python` is one process. Returns rank, world, device."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -739,6 +804,8 @@ def load_model_and_tokenizer(args, device):
         # MoE: completion_logps asks the forward for output_router_logits, so the aux loss arrives;
         # generate() runs without it (its cached, one-token steps would not match the attention mask)
     model.to(device=device, dtype=getattr(torch, args.dtype))
+    disable_dropout(model)
+    check_output_head(model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
@@ -834,16 +901,18 @@ def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, we
                                               max_gen_len=args.max_gen_len, temperature=args.temperature,
                                               top_p=args.top_p, top_k=args.top_k)  # [rows, T]
     gen_time = time.time() - t_gen
-    if args.mask_truncated_completions:
+
+    # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i)
+    completions = decode_completions(tokenizer, completion_ids, mask)
+    rewards = compute_rewards(reward_fns, weights, completions, answers, prompts)  # [rows]
+    # 4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4); batch: the std of all ranks' rewards
+    batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
+    advantages = compute_advantages(rewards, G, args.scale_rewards, batch_std).to(device)  # [rows]
+    if args.mask_truncated_completions:  # a completion without EOS keeps its reward, its tokens count for nothing
         mask = mask * (~truncated).unsqueeze(1)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)                       # [rows, P + T]
     attention_mask = torch.cat([prompt_mask, mask], 1)
     T = completion_ids.shape[1]
-
-    # 3. reward r_i = sum_k w_k reward_k(o_i)   4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4)
-    completions = decode_completions(tokenizer, completion_ids, mask)
-    rewards = compute_rewards(reward_fns, weights, completions, answers, prompts)  # [rows]
-    advantages = compute_advantages(rewards, G, args.scale_rewards).to(device)    # [rows]
 
     # 5-6. reference and old log-probs: plain tensors, no graph (old only when mu > 1; else logps.detach())
     lp_kw = dict(temperature=args.temperature, chunk_size=args.logp_chunk_size)
@@ -943,9 +1012,9 @@ def clipped_optimizer_step(policy, optimizer, grad_clip, loss, state, device):
 # ----------------------------------------------------------------------------------------------------
 # Resume, log, save (step 14)
 # ----------------------------------------------------------------------------------------------------
-def resume(ckpt, policy, optimizer, scheduler, rank, metrics_path):
+def resume(args, ckpt, policy, optimizer, scheduler, rank, metrics_path):
     """Restore weights, optimizer, scheduler, loop state and this rank's RNG; trim the log to the checkpoint."""
-    load_weights(policy, ckpt)
+    load_weights(policy, ckpt, trust_remote_code=bool(args.trust_remote_code))
     saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
     optimizer.load_state_dict(saved.pop("optimizer"))
     scheduler.load_state_dict(saved.pop("scheduler"))
@@ -1016,7 +1085,7 @@ def train(args, rank, world, device):
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
     ckpt = find_checkpoint(args.save_dir) if args.resume == "auto" else (args.resume or None)
     if ckpt:
-        state = resume(ckpt, policy, optimizer, scheduler, rank, metrics_path)
+        state = resume(args, ckpt, policy, optimizer, scheduler, rank, metrics_path)
     else:
         state = TrainState(entropy_coef=args.entropy_coef, entropy_coef_applied=args.entropy_coef)
         torch.manual_seed(args.seed + 1 + rank)  # ranks sample differently; RNG no longer depends on the warmup
@@ -1038,10 +1107,10 @@ def train(args, rank, world, device):
         state.step = step
         rows = next_prompts(sampler, train_rows, state, args.batch_size)
         cut_before = state.truncated_prompts
+        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
         record = {"step": step, **grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns,
-                                            weights, state, world, device)}
+                                            weights, state, world, device), "lr": lr}
         scheduler.step()
-        record["lr"] = scheduler.get_last_lr()[0]
         if state.truncated_prompts > cut_before and not warned_cut and master:
             print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are left-truncated")
             warned_cut = True

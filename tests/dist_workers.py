@@ -61,3 +61,13 @@ def moe_empty_expert(rank, world, out_dir):
     torch.save({"params": model.state_dict(), "used": sorted(used), "router_grad": router_grad},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def batch_std_world(rank, world, out_dir):
+    """--scale_rewards batch on 2 ranks with different rewards: both must divide by the std of the world batch."""
+    dist.init_process_group("gloo")
+    rewards = torch.tensor([[0.0, 1.0, 0.5, 0.5], [0.9, 1.0, 0.95, 1.0]][rank])  # one group of 4 per rank
+    std = tg.world_std(rewards)
+    adv = tg.compute_advantages(rewards, 4, "batch", std)
+    torch.save({"rewards": rewards, "std": std, "adv": adv}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()

@@ -62,6 +62,9 @@ def dense_dir(tmp_path_factory):
     ("The total is 2,400 books.", "2400", True),        # a bare reference number
     ("#### 10", "#### 10\n", True),
     ("__import__('os').system('echo pwned') 5", "#### 5", True),  # model text is parsed, never evaluated
+    ("so \\boxed{1{,}000}", "#### 1000", True),          # LaTeX's thousands separator
+    ("#### 1 000", "#### 1000", True),                   # digit groups separated by a space
+    ("#### 1 0000", "#### 1", True),                     # not a digit group: the number is 1
 ])
 def test_gsm8k_correctness(completion, reference, correct):
     assert tg.gsm8k_correct_reward(completion, reference) == float(correct)

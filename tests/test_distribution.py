@@ -1,0 +1,208 @@
+"""Sample and score the same distribution: what generate samples from is what the loss scores (the ratio and the
+KL see no gap), rewards see the text as generated, and resume, lr and batch std are what they claim."""
+import json
+import math
+import os
+import statistics
+
+import pytest
+import torch
+
+from helpers import FAST, ROOT, run_cli, sample_batch, spawn, tg, tiny
+import dist_workers
+from test_real_path import REAL, SAMPLE, load_final, save_tiny
+
+
+def rollout_with_scores(model, tok, generation_config, temperature, do_sample=True, seed=0):
+    """tg.rollout with generate's own processed scores captured (the trainer's config, plus output_scores)."""
+    for k, v in generation_config.items():   # what a checkpoint's generation_config.json may carry
+        setattr(model.generation_config, k, v)
+    real, captured = model.generate, {}
+
+    def generate(**kw):
+        kw["generation_config"].output_scores = kw["generation_config"].return_dict_in_generate = True
+        out = real(**kw)
+        captured["scores"] = torch.stack(out.scores, 1)                           # [rows, T, V]
+        return out.sequences
+    model.generate = generate
+    train_rows, _ = tg.make_reverse_task(16)
+    prompts = [r["prompt"] for r in train_rows[:4] for _ in range(4)]
+    ids, am, _ = tg.tokenize_prompts(tok, prompts, 64, "cpu")
+    torch.manual_seed(seed)
+    comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=6, do_sample=do_sample, temperature=temperature)
+    del model.generate
+    return torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp, mask, captured["scores"]
+
+
+CHECKPOINT_GENERATION_CONFIG = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "min_new_tokens": 4}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_scores_are_the_log_probs_the_loss_uses(temperature):
+    model, tok = tiny(seed=1)
+    input_ids, attn, comp, mask, scores = rollout_with_scores(model, tok, CHECKPOINT_GENERATION_CONFIG, temperature)
+    T = comp.shape[1]
+    sampler = torch.log_softmax(scores.float(), -1).gather(-1, comp[..., None]).squeeze(-1)
+    logps, _, _ = tg.completion_logps(model, input_ids, attn, T, temperature=temperature, chunk_size=2)
+    m = mask.bool()
+    torch.testing.assert_close(logps[m], sampler[m], rtol=0, atol=1e-5)
+    # and both are log_softmax(z / temperature) of a plain full forward: an independent computation
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    z = model(input_ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1].double()
+    want = torch.log_softmax(z / temperature, -1).gather(-1, comp[..., None]).squeeze(-1)
+    torch.testing.assert_close(logps[m].double(), want[m], rtol=0, atol=1e-5)
+
+
+def test_greedy_eval_ignores_the_checkpoint_generation_config():
+    model, tok = tiny(seed=1)
+    input_ids, attn, comp, mask, scores = rollout_with_scores(model, tok, CHECKPOINT_GENERATION_CONFIG, 1.0,
+                                                              do_sample=False)
+    T = comp.shape[1]
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    z = model(input_ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1]
+    m = mask.bool()
+    assert torch.equal(z.argmax(-1)[m], comp[m])  # each greedy token is the plain argmax: no penalty applied
+
+
+def family(name):
+    """Small random models of the families that post-process lm_head's output in their forward."""
+    from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GraniteConfig,
+                              GraniteForCausalLM)
+    kw = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+              bos_token_id=2)
+    torch.manual_seed(0)
+    if name == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(final_logit_softcapping=2.0, **kw))
+    elif name == "granite":
+        model = GraniteForCausalLM(GraniteConfig(logits_scaling=8.0, **kw))
+    else:
+        model = CohereForCausalLM(CohereConfig(logit_scale=0.0625, **kw))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(100)   # logits large enough for the post-processing to matter
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "granite", "cohere"])
+def test_log_probs_follow_the_models_own_output_distribution(name):
+    model = family(name)
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, 40, (3, 9), generator=g)
+    attn = torch.ones_like(input_ids)
+    attn[0, :2] = 0                                                               # one left-padded row
+    T = 4
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids, attention_mask=attn, position_ids=pos, output_hidden_states=True)
+    targets = input_ids[:, -T:]
+    want = torch.log_softmax(out.logits[:, -T - 1:-1].double(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    raw = torch.log_softmax(model.lm_head(out.hidden_states[-1][:, -T - 1:-1]).double(), -1)
+    raw = raw.gather(-1, targets[..., None]).squeeze(-1)
+    assert (raw - want).abs().max() > 0.1, "the family's post-processing must matter for this test to mean much"
+    logps, _, _ = tg.completion_logps(model, input_ids, attn, T, chunk_size=3)
+    torch.testing.assert_close(logps.double(), want, rtol=0, atol=1e-4)
+    tg.check_output_head(model)  # passes: the trainer knows this family
+
+
+def test_unknown_logit_post_processing_is_refused():
+    model, _ = tiny()
+
+    def double_logits(module, args, out):
+        out.logits = out.logits * 2
+        return out
+    model.register_forward_hook(double_logits)
+    with pytest.raises(tg.TrainerError, match="post-processes its logits"):
+        tg.check_output_head(model)
+
+
+def test_kl_is_zero_before_the_first_update_with_dropout_in_the_config(tmp_path):
+    from transformers import AutoConfig
+    model_dir = tmp_path / "dropout"
+    save_tiny(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.attention_dropout = 0.5
+    config.save_pretrained(model_dir)
+    tg.main(REAL + ["--model_name_or_path", str(model_dir), "--dataset", SAMPLE, "--max_steps", "1", "--beta", "0.04",
+                    "--num_iterations", "2", "--save_dir", str(tmp_path / "run")])
+    row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    # the reference is the policy before step 1, old = the policy that sampled: without dropout the first
+    # update's KL is exactly 0; dropout on in the policy forward made it 3.65e-2 on the built-in model
+    assert row["kl"] == 0.0
+    assert AutoConfig.from_pretrained(tmp_path / "run" / "final").attention_dropout == 0.5  # the config is kept
+
+
+def test_truncated_completions_are_rewarded_on_their_text(tmp_path, monkeypatch):
+    seen, real = [], tg.reverse_reward
+
+    def reverse_reward(completion, answer):  # records what the reward function is given
+        seen.append((completion, real(completion, answer)))
+        return seen[-1][1]
+    monkeypatch.setattr(tg, "reverse_reward", reverse_reward)
+    rolled, real_rollout = [], tg.rollout
+    monkeypatch.setattr(tg, "rollout", lambda *a, **k: rolled.append(real_rollout(*a, **k)) or rolled[-1])
+    # 3 new tokens cannot hold a 5-letter answer and its EOS: most completions are truncated
+    tg.main(FAST + ["--max_steps", "1", "--max_gen_len", "3", "--mask_truncated_completions", "1",
+                    "--save_dir", str(tmp_path)])
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    comp, mask, truncated = rolled[0]
+    assert truncated.sum() >= 4
+    tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
+    cut = torch.nonzero(truncated).flatten().tolist()
+    for i in cut:                                            # rewarded on the text as generated, not on ""
+        assert seen[i][0] == tok.decode(comp[i], skip_special_tokens=True)
+    assert sum(len(seen[i][0]) for i in cut) >= 2 * len(cut)
+    assert row["reward"] == pytest.approx(statistics.mean(r for _, r in seen))
+    # ... and only which tokens count changes: the truncated rows' tokens are out of the mask
+    assert row["completion_len"] == pytest.approx((mask * ~truncated[:, None]).sum(1).float().mean().item())
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_moe_resume_continues_exactly(tmp_path, nproc):
+    common = [*FAST, "--use_moe", "1", "--max_steps", "4", "--beta", "0.04", "--lr_scheduler", "cosine"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run_cli(*common, "--save_dir", a, nproc=nproc).returncode == 0
+    first = run_cli(*common, "--stop_after", "2", "--save_dir", b, nproc=nproc)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_cli(*common, "--resume", "auto", "--save_dir", b, nproc=nproc)
+    assert second.returncode == 0, second.stderr[-3000:]
+    wa, wb = load_final(a), load_final(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_saved_moe_checkpoint_resumes(tmp_path):
+    moe_dir = save_tiny(tmp_path / "moe", moe=True)
+    common = [*REAL, "--model_name_or_path", moe_dir, "--dataset", SAMPLE, "--use_moe", "1", "--max_steps", "2"]
+    assert run_cli(*common, "--save_dir", tmp_path / "a").returncode == 0
+    assert run_cli(*common, "--stop_after", "1", "--save_dir", tmp_path / "b").returncode == 0
+    res = run_cli(*common, "--resume", "auto", "--save_dir", tmp_path / "b")
+    assert res.returncode == 0, res.stderr[-3000:]
+    wa, wb = load_final(tmp_path / "a"), load_final(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_logged_lr_is_the_rate_each_step_used(tmp_path, monkeypatch):
+    used = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        used.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    lr, warmup, steps = 1e-3, 3, 7
+    tg.main(FAST + ["--max_steps", str(steps), "--learning_rate", str(lr), "--warmup_steps", str(warmup),
+                    "--lr_scheduler", "cosine", "--save_dir", str(tmp_path)])
+    # by hand: step s (from 1) is update s - 1: warmup s / (warmup + 1), then 0.5 (1 + cos(pi (s - 1 - w) / (N - w)))
+    hand = [lr * (s / (warmup + 1) if s <= warmup else 0.5 * (1 + math.cos(math.pi * (s - 1 - warmup) / (steps - warmup))))
+            for s in range(1, steps + 1)]
+    logged = [json.loads(l)["lr"] for l in open(tmp_path / "metrics.jsonl")]
+    assert logged == pytest.approx(hand, rel=1e-12) and used == pytest.approx(hand, rel=1e-12)
+
+
+def test_batch_std_is_the_world_batch_std(tmp_path):
+    spawn(dist_workers.batch_std_world, str(tmp_path))
+    r0, r1 = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    everything = r0["rewards"].tolist() + r1["rewards"].tolist()
+    sd = statistics.stdev(everything)                                             # by hand, over both ranks
+    assert r0["std"] == pytest.approx(sd, rel=1e-9) and r1["std"] == pytest.approx(sd, rel=1e-9)
+    for r in (r0, r1):
+        want = [(x - statistics.mean(r["rewards"].tolist())) / (sd + 1e-4) for x in r["rewards"].tolist()]
+        assert r["adv"].tolist() == pytest.approx(want, abs=1e-6)
