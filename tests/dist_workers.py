@@ -71,3 +71,31 @@ def batch_std_world(rank, world, out_dir):
     adv = tg.compute_advantages(rewards, 4, "batch", std)
     torch.save({"rewards": rewards, "std": std, "adv": adv}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def loop_step_grads(rank, world, out_dir):
+    """One real grpo_step under DDP with 2 micro-steps per rank and different prompts per rank. The optimizer
+    step is replaced by a recorder, so the synced gradient it would apply is saved with the rollout."""
+    dist.init_process_group("gloo")
+    train_rows, _ = tg.make_reverse_task(16)
+    out = {}
+    for loss_type in ("dapo", "cispo", "grpo"):
+        model, tok = tiny(seed=0)
+        ddp = DDP(model)
+        args = tg.parse_args(["--loss_type", loss_type, "--batch_size", "2", "--num_generations", "4",
+                              "--micro_batch_size", "4", "--grad_clip", "0"])   # S = 2 micro-steps per rank
+        optimizer, _ = tg.build_optimizer(model, args)
+        seen = {}
+        optimizer.step = lambda: seen.update(grads={n: p.grad.clone() for n, p in model.named_parameters()})
+        real = tg.rollout
+        tg.rollout = lambda *a, **k: seen.setdefault("rollout", (a[1], a[2], *real(*a, **k)))[2:]
+        torch.manual_seed(rank)
+        rows = train_rows[2 * rank:2 * rank + 2]                                  # different prompts per rank
+        tg.grpo_step(args, ddp, None, optimizer, tok, rows, [tg.reverse_reward], [1.0], tg.TrainState(), world,
+                     torch.device("cpu"))
+        tg.rollout = real
+        prompt_ids, prompt_mask, comp, mask, _ = seen["rollout"]
+        out[loss_type] = {"grads": seen["grads"], "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                          "comp": comp, "mask": mask, "answers": [r["answer"] for r in rows for _ in range(4)]}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()

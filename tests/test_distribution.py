@@ -25,8 +25,8 @@ def rollout_with_scores(model, tok, generation_config, temperature, do_sample=Tr
         captured["scores"] = torch.stack(out.scores, 1)                           # [rows, T, V]
         return out.sequences
     model.generate = generate
-    train_rows, _ = tg.make_reverse_task(16)
-    prompts = [r["prompt"] for r in train_rows[:4] for _ in range(4)]
+    # prompts of different lengths: left padding, so the re-forward's position ids must be generate's
+    prompts = [p for p in ("abc=", "hgfedcba=", "ba=", "cabde=") for _ in range(4)]
     ids, am, _ = tg.tokenize_prompts(tok, prompts, 64, "cpu")
     torch.manual_seed(seed)
     comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=6, do_sample=do_sample, temperature=temperature)
@@ -37,9 +37,22 @@ def rollout_with_scores(model, tok, generation_config, temperature, do_sample=Tr
 CHECKPOINT_GENERATION_CONFIG = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "min_new_tokens": 4}
 
 
+def tiny_gpt2():
+    """Learned absolute positions (RoPE models are blind to a shift of all positions): left padding shows."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
+    torch.manual_seed(1)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                       bos_token_id=tok.eos_token_id))
+    tg.disable_dropout(model)  # as the trainer does (GPT-2's config has dropout 0.1)
+    return model, tok
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampler_scores_are_the_log_probs_the_loss_uses(temperature):
-    model, tok = tiny(seed=1)
+def test_sampler_scores_are_the_log_probs_the_loss_uses(temperature, arch):
+    model, tok = tiny(seed=1) if arch == "qwen3" else tiny_gpt2()
     input_ids, attn, comp, mask, scores = rollout_with_scores(model, tok, CHECKPOINT_GENERATION_CONFIG, temperature)
     T = comp.shape[1]
     sampler = torch.log_softmax(scores.float(), -1).gather(-1, comp[..., None]).squeeze(-1)

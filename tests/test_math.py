@@ -160,3 +160,20 @@ def test_reverse_reward():
     assert tg.reverse_reward("dcxx", "dcba") == 0.5
     assert tg.reverse_reward("dcbaa", "dcba") == pytest.approx(4 / 5)
     assert tg.reverse_reward("", "dcba") == 0.0
+
+
+def test_asymmetric_clip_bounds_and_the_clip_count_by_advantage_sign():
+    eps, eps_h = 0.2, 0.4     # [0.8, 1.4]: the test ratios 0.7 and 1.3 lie between the swapped and the right bounds
+    ratios = torch.tensor([[1.3, 1.5, 1.6, 0.7], [0.7, 1.3, 0.5, 1.6]])
+    logps = torch.log(ratios).requires_grad_()
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 4)
+    loss, stats = tg.grpo_loss(logps, torch.zeros(2, 4), adv, mask, loss_type="bnpo", epsilon=eps, epsilon_high=eps_h)
+    loss.backward()
+    # by hand: A > 0 is clipped where r > 1 + eps_h; A < 0 where r < 1 - eps. Clipped tokens: gradient 0;
+    # the others -A r / N (d/dlogp of -r A)
+    N = 8
+    clipped = torch.tensor([[False, True, True, False], [True, False, True, False]])
+    want = torch.where(clipped, torch.zeros(2, 4), -adv[:, None] * ratios / N)
+    torch.testing.assert_close(logps.grad, want)
+    assert stats["clip_ratio"].item() == pytest.approx(clipped.sum().item() / N)   # 4 of 8

@@ -1,0 +1,130 @@
+"""The loop's wiring, pinned by values: what grpo_step logs and computes, each against an independent
+computation (a plain full-logits forward, the schedule by hand, the combined batch in one process)."""
+import json
+
+import pytest
+import torch
+
+from helpers import FAST, spawn, tg, tiny
+import dist_workers
+
+
+def logged(tmp_path, *flags, monkeypatch=None, capture=None):
+    """Run the real loop in this process; capture=list records each rollout (completion ids, mask, truncated)."""
+    if capture is not None:
+        real = tg.rollout
+        monkeypatch.setattr(tg, "rollout", lambda *a, **k: capture.append((a, real(*a, **k))) or capture[-1][1])
+    tg.main(FAST + list(flags) + ["--save_dir", str(tmp_path)])
+    return [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+
+
+def full_forward(model, prompt_ids, prompt_mask, comp, mask):
+    """Plain forward over prompt + completion: logits [rows, T, V] at the completion positions."""
+    ids, attn = torch.cat([prompt_ids, comp], 1), torch.cat([prompt_mask, mask], 1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    return model(ids, attention_mask=attn, position_ids=pos).logits[:, -comp.shape[1] - 1:-1].double()
+
+
+def test_logged_entropy_is_that_of_the_sampling_distribution(tmp_path, monkeypatch):
+    rollouts = []
+    rows = logged(tmp_path, "--max_steps", "1", "--temperature", "0.7", monkeypatch=monkeypatch, capture=rollouts)
+    (args, (comp, mask, _)), = rollouts
+    model, _ = tiny()                                   # the trainer's initial weights (same seed, same config)
+    with torch.no_grad():
+        logp = torch.log_softmax(full_forward(model, args[1], args[2], comp, mask) / 0.7, -1)
+    entropy = -(logp.exp() * logp).sum(-1)                                        # [rows, T] at temperature 0.7
+    want = (entropy * mask).sum() / mask.sum()
+    assert rows[0]["entropy"] == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_kl_is_zero_at_step_1_then_positive_against_a_frozen_reference(tmp_path):
+    rows = logged(tmp_path, "--max_steps", "3", "--beta", "0.04", "--learning_rate", "1e-3")
+    kl = [r["kl"] for r in rows]
+    assert kl[0] == 0.0                   # the reference is the policy before the first update
+    assert kl[1] > 1e-6 and kl[2] > 1e-6  # the policy moved, the reference did not
+
+
+def test_above_the_target_the_coefficient_falls_and_the_bonus_is_off(tmp_path):
+    # target 0: every entropy is above it. The coefficient starts at 0.003 (applied in step 1, as given),
+    # then falls by delta per step, and the next steps apply 0
+    rows = logged(tmp_path, "--max_steps", "4", "--loss_type", "bnpo", "--use_adaptive_entropy", "1",
+                  "--entropy_coef", "0.003", "--entropy_target", "0", "--entropy_coef_delta", "0.001")
+    assert [r["entropy_coef"] for r in rows] == pytest.approx([0.002, 0.001, 0.0, 0.0], abs=1e-12)
+    assert [r["entropy_coef_applied"] for r in rows] == [0.003, 0.0, 0.0, 0.0]
+    # bnpo on one process normalizes the bonus like the logged entropy (a token mean): loss = policy - alpha H
+    assert rows[0]["loss"] == pytest.approx(rows[0]["policy_loss"] - 0.003 * rows[0]["entropy"], rel=1e-5, abs=1e-8)
+    assert rows[1]["loss"] == pytest.approx(rows[1]["policy_loss"], rel=1e-6, abs=1e-9)
+
+
+def test_moe_loss_is_policy_loss_plus_the_configs_coefficient_times_aux(tmp_path):
+    coef = tiny(use_moe=1)[0].config.router_aux_loss_coef
+    assert coef not in (0.0, 1.0)
+    rows = logged(tmp_path, "--max_steps", "2", "--use_moe", "1", "--micro_batch_size", "8")
+    for r in rows:
+        assert r["aux_loss"] > 0
+        assert r["loss"] == pytest.approx(r["policy_loss"] + coef * r["aux_loss"], rel=1e-5, abs=1e-8)
+
+
+def test_loop_keeps_entropy_out_of_the_graph_when_no_bonus_applies(monkeypatch):
+    # inside the loop the entropy must carry a graph only when a bonus uses it: one that does holds a
+    # softmax-sized graph through backward (the chunk recomputes it there), for a number that is only logged
+    from helpers import sample_batch
+    model, tok = tiny()
+    input_ids, attn, comp, mask = sample_batch(model, tok)
+    args = tg.parse_args(["--batch_size", "4", "--num_generations", "4", "--micro_batch_size", "8"])
+    batch = dict(input_ids=input_ids, attention_mask=attn, mask=mask, advantages=torch.randn(16), old_logps=None,
+                 ref_logps=None, num_items=mask.sum().item())
+    seen, real = [], tg.completion_logps
+    monkeypatch.setattr(tg, "completion_logps", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    for coef in (0.0, 0.01):
+        seen.clear()
+        sums = tg.accumulate_gradients(model, batch, args, coef, 1)
+        assert len(seen) == 2 and all(entropy.requires_grad == (coef != 0.0) for _, entropy, _ in seen)
+        # the logged sum is the same number either way
+        want = sum((e.detach() * mask[8 * i:8 * i + 8]).sum().item() for i, (_, e, _) in enumerate(seen))
+        assert sums["entropy_sum"] == pytest.approx(want)
+        model.zero_grad(set_to_none=True)
+
+
+def test_left_truncation_keeps_the_end_of_the_prompt():
+    tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
+    ids, am, n_cut = tg.tokenize_prompts(tok, ["abcdefg=", "ab="], 4, "cpu")
+    assert n_cut == 1
+    assert [tok.decode(i[m.bool()]) for i, m in zip(ids, am)] == ["efg=", "ab="]
+    assert am.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]  # left-padded
+
+
+def test_two_ranks_with_micro_steps_equal_one_process_on_the_combined_batch(tmp_path):
+    import statistics
+    spawn(dist_workers.loop_step_grads, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
+    model, _ = tiny()
+    for loss_type in ("dapo", "cispo", "grpo"):
+        parts = [r[loss_type] for r in ranks]
+        N = sum(p["mask"].sum().item() for p in parts)                           # tokens of both ranks
+        R = sum(p["mask"].shape[0] for p in parts)
+        # on-policy, every loss type's gradient is that of -A logp (ratio 1, inside the clip; cispo's weight 1),
+        # normalized over the combined batch: dapo/cispo by all N tokens, grpo per sequence over all R rows
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for p in parts:
+            texts = [tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(p["comp"], p["mask"])]
+            rewards = [sum(a == b for a, b in zip(t, ans)) / max(len(t), len(ans), 1)   # the reward, by hand
+                       for t, ans in zip(texts, p["answers"])]
+            adv = []
+            for g in range(0, len(rewards), 4):                                   # groups of G = 4
+                grp = rewards[g:g + 4]
+                adv += [(x - statistics.mean(grp)) / (statistics.stdev(grp) + 1e-4) for x in grp]
+            z = full_forward(model, p["prompt_ids"], p["prompt_mask"], p["comp"], p["mask"])
+            logp = torch.log_softmax(z, -1).gather(-1, p["comp"][..., None]).squeeze(-1)
+            per_token = -torch.tensor(adv, dtype=torch.float64)[:, None] * logp * p["mask"]
+            if loss_type == "grpo":
+                total = total + (per_token.sum(1) / p["mask"].sum(1).clamp(min=1)).sum() / R
+            else:
+                total = total + per_token.sum() / N
+        total.backward()
+        for name, param in model.named_parameters():
+            for p in parts:
+                torch.testing.assert_close(p["grads"][name], param.grad, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{loss_type} {name}: {m}")
