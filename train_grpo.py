@@ -66,7 +66,9 @@ class Args:
     # rollout
     num_generations: int = opt(8, "G: completions sampled per prompt (a group)")
     batch_size: int = opt(16, "B: prompts per rank per step (so B*G rows)")
-    micro_batch_size: int = opt(0, "rows per forward/backward; 0: all B*G rows at once")
+    micro_batch_size: int = opt(0, "rows per forward/backward; 0: auto (built-in model: all B*G rows; "
+                                   "a real model: as many as fit --micro_batch_tokens)")
+    micro_batch_tokens: int = opt(16384, "auto micro-batches: at most this many tokens (rows x sequence length)")
     max_prompt_len: int = opt(256, "prompt tokens kept (longer prompts are left-truncated)")
     max_gen_len: int = opt(8, "L_max: new tokens per completion")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same one)")
@@ -83,7 +85,8 @@ class Args:
                              choices=("group", "batch", "none"))
     # entropy (README: The math, steps 10-11)
     entropy_chunk_size: int = opt(128, "rows of logits per chunk when computing entropy")
-    logp_chunk_size: int = opt(64, "sequence positions per lm_head chunk for log-probs (recomputed in backward)")
+    logp_chunk_size: int = opt(1024, "tokens (rows x positions) per lm_head chunk for log-probs, recomputed in "
+                                     "backward: the largest logits tensor is this many x vocab")
     entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start value if adaptive")
     use_adaptive_entropy: int = opt(0, "1: adapt the coefficient toward --entropy_target (Skywork-OR1)",
                                     choices=(0, 1))
@@ -98,7 +101,9 @@ class Args:
     lr_scheduler: str = opt("constant", "constant or cosine, after linear warmup", choices=("constant", "cosine"))
     warmup_steps: int = opt(0, "linear learning-rate warmup steps")
     grad_clip: float = opt(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
-    gradient_checkpointing: int = opt(0, "1: recompute transformer layers in backward", choices=(0, 1))
+    gradient_checkpointing: int = opt(-1, "1: recompute transformer layers in backward; -1: auto (on for "
+                                          "--model_name_or_path, off for the built-in tiny model)",
+                                      choices=(-1, 0, 1))
     sft_warmup_steps: int = opt(200, "built-in task only: supervised steps before the first eval and GRPO")
     sft_learning_rate: float = opt(1e-3, "learning rate of the supervised warmup")
     # bookkeeping
@@ -108,7 +113,10 @@ class Args:
     resume: str = opt("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
     eval_interval: int = opt(50, "held-out greedy accuracy every N steps (and before/after training); 0: off")
     eval_size: int = opt(256, "held-out prompts (built-in task, or files without a test split)")
-    dtype: str = opt("float32", "model dtype", choices=("float32", "bfloat16", "float16"))
+    dtype: str = opt("float32", "compute dtype: weights and AdamW state stay float32, forward and rollout run "
+                                "under autocast in this dtype", choices=("float32", "bfloat16", "float16"))
+    rollout_cache: str = opt("auto", "KV cache of generate: static (CUDA compiles its decode step), dynamic, or "
+                                     "auto (static on CUDA, dynamic on CPU)", choices=("auto", "static", "dynamic"))
     device: str = opt("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
     stop_after: int = opt(0, "stop (as if interrupted) after this step; 0: run to max_steps")
 
@@ -151,6 +159,7 @@ def check_args(args):
         *[(getattr(a, n) > 0, f"--{n} must be > 0, got {getattr(a, n)}")
           for n in ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
                     "logp_chunk_size", "entropy_chunk_size", "learning_rate", "sft_learning_rate",
+                    "micro_batch_tokens",
                     "temperature")],
         *[(getattr(a, n) >= 0, f"--{n} must be >= 0, got {getattr(a, n)}")
           for n in ("micro_batch_size", "top_k", "beta", "weight_decay", "warmup_steps", "grad_clip",
@@ -363,13 +372,14 @@ def format_prompt(tokenizer, question):
     return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
 
 
-def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
+def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, pad_to_multiple_of=1):
     """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
+    The width P is rounded up to a multiple of pad_to_multiple_of (a static KV cache compiles per shape).
     Returns input_ids [B, P], attention_mask [B, P] and how many prompts were cut."""
     ids = [tokenizer(p, add_special_tokens=not getattr(tokenizer, "chat_template", None)).input_ids for p in prompts]
     n_cut = sum(len(x) > max_prompt_len for x in ids)
     ids = [x[-max_prompt_len:] for x in ids]
-    width = max(len(x) for x in ids)
+    width = -(-max(len(x) for x in ids) // pad_to_multiple_of) * pad_to_multiple_of
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
     attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
@@ -378,6 +388,13 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
 
 def unwrap(model):
     return model.module if isinstance(model, DDP) else model
+
+
+def autocast(args, device):
+    # compute in --dtype while the weights stay fp32: each matmul reads a bf16 copy of its fp32 weight, and
+    # AdamW's update lands on the fp32 master (a 1e-6 step on a bf16 weight of 0.02 rounds away: spacing ~1e-4)
+    dtype = getattr(torch, args.dtype)
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -394,17 +411,21 @@ def completion_mask(completion_ids, eos_token_id):
 
 @torch.no_grad()
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
-            temperature=1.0, top_p=1.0, top_k=0):
+            temperature=1.0, top_p=1.0, top_k=0, static_cache=False, compile_config=None):
     """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T], truncated [rows].
 
     The sampling distribution is softmax(z / temperature) (then top-k / top-p, if asked), and nothing else:
     a checkpoint's generation_config.json (repetition_penalty, no_repeat_ngram_size, min_new_tokens, ...)
-    would make the sampler draw from a distribution the loss never scores, so it is set aside here."""
+    would make the sampler draw from a distribution the loss never scores, so it is set aside here.
+    static_cache: a fixed-size KV cache, whose decode step transformers compiles on CUDA (compile_config
+    overrides how). The compiled step reads the parameters as inputs, so it sees every update."""
     from transformers import GenerationConfig
     config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample,
                               temperature=temperature if do_sample else 1.0, top_p=top_p if do_sample else 1.0,
                               top_k=top_k if do_sample else 0, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+                              eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                              cache_implementation="static" if static_cache else None,
+                              compile_config=compile_config)
     was_training, checkpoint_config = policy.training, policy.generation_config
     policy.eval()
     policy.generation_config = GenerationConfig()  # generate() fills unset fields from this: library defaults only
@@ -498,8 +519,12 @@ def check_output_head(model):
     ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]       # [1, 8] arbitrary tokens
     was_training = model.training
     out = model.eval()(input_ids=ids, output_hidden_states=True, use_cache=False)
+    last = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # what the no-grad path reads
     model.train(was_training)
-    ours, theirs = lm_logits(model, out.hidden_states[-1]).float(), out.logits.float()
+    ours, theirs = lm_logits(model, last).float(), out.logits.float()
+    if not torch.equal(last, out.hidden_states[-1]):
+        raise TrainerError(f"{type(model).__name__}: the decoder's last hidden state is not the forward's "
+                           "last hidden state; train_grpo reads both")
     if not torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * theirs.abs().max().item()):
         raise TrainerError(f"{type(model).__name__}'s forward post-processes its logits in a way train_grpo.lm_logits "
                            f"does not (max difference {(ours - theirs).abs().max().item():.3g}); add it there")
@@ -517,9 +542,11 @@ def disable_dropout(model):
 
 
 def _chunk_logps_entropy(lm_head, hidden, targets, temperature, entropy_grad, entropy_chunk_size, with_entropy=True):
-    """One sequence chunk: hidden [rows, c, H] -> logits [rows, c, V] (exists only inside this chunk).
+    """One chunk: hidden [c, H] -> logits [c, V] (they exist only inside this chunk).
     lm_head: anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear)."""
-    logits = lm_head(hidden).float() / temperature
+    logits = lm_head(hidden).float()                    # [c, V]: the one fp32 copy (bf16 under autocast)
+    if temperature != 1.0:
+        logits.div_(temperature)                        # in place: no second [c, V] tensor (nothing saved it)
     logps = selective_log_softmax(logits, targets)
     if not with_entropy:
         return logps, torch.zeros_like(logps.detach())
@@ -530,33 +557,41 @@ def _chunk_logps_entropy(lm_head, hidden, targets, temperature, entropy_grad, en
 
 
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
-                     chunk_size=64, entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
+                     chunk_size=1024, entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
     """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states through lm_head
-    in chunks of the sequence, so [rows, T, V] logits never exist at once. Call it with the DDP-wrapped model:
-    its forward is what makes DDP all-reduce the gradients.
+    in chunks of chunk_size tokens, so [rows, T, V] logits never exist at once. Call it with the DDP-wrapped
+    model: its forward is what makes DDP all-reduce the gradients. Without grad (reference, old log-probs) it
+    runs the decoder alone, which keeps no layer's hidden states but the last.
 
     Returns logps [rows, T], entropy [rows, T] (graph only if entropy_grad), router aux loss (MoE) or None."""
     T = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                   # as generate() computes them
-    moe = hasattr(unwrap(model).config, "router_aux_loss_coef")
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                output_hidden_states=True, logits_to_keep=1, **({"output_router_logits": True} if moe else {}))
-    hidden = out.hidden_states[-1][:, -T - 1:-1, :]                               # [rows, T, H]: state before token t
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    moe, aux = hasattr(unwrap(model).config, "router_aux_loss_coef"), None
+    if torch.is_grad_enabled():
+        out = model(**inputs, output_hidden_states=True, logits_to_keep=1,
+                    **({"output_router_logits": True} if moe else {}))
+        hidden, aux = out.hidden_states[-1], getattr(out, "aux_loss", None) if moe else None
+    else:
+        hidden = unwrap(model).get_decoder()(**inputs).last_hidden_state
+    hidden = hidden[:, -T - 1:-1, :]                                              # [rows, T, H]: state before token t
     targets = input_ids[:, -T:]                                                   # [rows, T]
     head = functools.partial(lm_logits, unwrap(model))                         # lm_head + the model's post-processing
     logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature,
                                    chunk_size=chunk_size, entropy_grad=entropy_grad,
                                    entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
-    aux = getattr(out, "aux_loss", None) if moe else None
     return logps, entropy, aux
 
 
-def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, chunk_size=64, entropy_grad=False,
+def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, chunk_size=1024, entropy_grad=False,
                   entropy_chunk_size=128, with_entropy=True):
-    """hidden [rows, T, H] -> logps, entropy [rows, T], one sequence chunk of logits at a time."""
+    """hidden [rows, T, H] -> logps, entropy [rows, T], chunk_size tokens of logits at a time: the largest
+    logits tensor is [chunk_size, V] however many rows there are."""
+    rows, T = targets.shape
+    flat_hidden, flat_targets = hidden.reshape(rows * T, hidden.shape[-1]), targets.reshape(rows * T)  # [N, H], [N]
     logps, entropy = [], []
-    for s in range(0, targets.shape[1], chunk_size):
-        h, y = hidden[:, s:s + chunk_size], targets[:, s:s + chunk_size]
+    for s in range(0, rows * T, chunk_size):
+        h, y = flat_hidden[s:s + chunk_size], flat_targets[s:s + chunk_size]
         if torch.is_grad_enabled():  # keep only the chunk's inputs; recompute its logits in backward
             lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, temperature, entropy_grad,
                                  entropy_chunk_size, with_entropy, use_reentrant=False)
@@ -564,7 +599,7 @@ def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, chunk_size=64, e
             lp, ent = _chunk_logps_entropy(lm_head, h, y, temperature, False, entropy_chunk_size, with_entropy)
         logps.append(lp)
         entropy.append(ent)
-    return torch.cat(logps, 1), torch.cat(entropy, 1)
+    return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -733,8 +768,12 @@ def evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device
     correct = 0
     for s in range(0, len(mine), batch):
         rows = mine[s:s + batch]
-        ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device)
-        comp, mask, _ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len, do_sample=False)
+        static = use_static_cache(args, device)
+        ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device,
+                                      pad_to_multiple_of=64 if static else 1)
+        with autocast(args, device):
+            comp, mask, _ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len, do_sample=False,
+                                    static_cache=static)
         texts = decode_completions(tokenizer, comp, mask)
         correct += sum(bool(is_correct(t, r["answer"])) for t, r in zip(texts, rows))
     c, n = world_sum(correct, len(mine), device=device)
@@ -752,9 +791,10 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
         ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device)
         target = torch.tensor([tokenizer(r["answer"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
                                for r in rows], device=device)                     # [B, len+1]
-        logps, _, aux = completion_logps(model, torch.cat([ids, target], 1),
-                                         torch.cat([am, torch.ones_like(target)], 1), target.shape[1],
-                                         chunk_size=args.logp_chunk_size)
+        with autocast(args, device):
+            logps, _, aux = completion_logps(model, torch.cat([ids, target], 1),
+                                             torch.cat([am, torch.ones_like(target)], 1), target.shape[1],
+                                             chunk_size=args.logp_chunk_size)
         loss = -logps.mean() + (aux * unwrap(model).config.router_aux_loss_coef if aux is not None else 0)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -792,8 +832,7 @@ def load_model_and_tokenizer(args, device):
         name, remote = args.model_name_or_path, bool(args.trust_remote_code)
         try:
             tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, args.dtype),
-                                                         trust_remote_code=remote)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, trust_remote_code=remote)
         except Exception as e:  # missing files, offline hub, unknown architecture: one line
             raise TrainerError(f"--model_name_or_path {name}: {one_line(e)}") from None
         tokenizer.padding_side = "left"
@@ -803,11 +842,11 @@ def load_model_and_tokenizer(args, device):
             raise TrainerError(f"--use_moe 1 but {name} is a dense model ({model.config.model_type})")
         # MoE: completion_logps asks the forward for output_router_logits, so the aux loss arrives;
         # generate() runs without it (its cached, one-token steps would not match the attention mask)
-    model.to(device=device, dtype=getattr(torch, args.dtype))
+    model.to(device=device, dtype=torch.float32)  # master weights; --dtype is the compute dtype (autocast)
     disable_dropout(model)
     check_output_head(model)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.gradient_checkpointing == 1 or (args.gradient_checkpointing == -1 and args.model_name_or_path):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
 
 
@@ -890,17 +929,21 @@ def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, we
     """One step on this rank's B prompts. `model` is the DDP wrapper under torchrun, the policy otherwise.
     Updates `state` in place and returns the step's metrics (world averages)."""
     t0, G, policy = time.time(), args.num_generations, unwrap(model)
+    reset_peak_memory(device)
+    static = use_static_cache(args, device)
     # 1. prompts: each repeated G times so a group is contiguous; left-padded, left-truncated
     prompts = [r["prompt"] for r in rows for _ in range(G)]
     answers = [r["answer"] for r in rows for _ in range(G)]
-    prompt_ids, prompt_mask, n_cut = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
+    prompt_ids, prompt_mask, n_cut = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device,
+                                                      pad_to_multiple_of=64 if static else 1)
 
     # 2. rollout on the unwrapped policy, no graph: m = 1 up to and including the first EOS
     t_gen = time.time()
-    completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
-                                              max_gen_len=args.max_gen_len, temperature=args.temperature,
-                                              top_p=args.top_p, top_k=args.top_k)  # [rows, T]
-    gen_time = time.time() - t_gen
+    with autocast(args, device):
+        completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
+                                                  max_gen_len=args.max_gen_len, temperature=args.temperature,
+                                                  top_p=args.top_p, top_k=args.top_k, static_cache=static)
+    gen_time = time.time() - t_gen                                                # completion_ids [rows, T]
 
     # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i)
     completions = decode_completions(tokenizer, completion_ids, mask)
@@ -916,7 +959,7 @@ def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, we
 
     # 5-6. reference and old log-probs: plain tensors, no graph (old only when mu > 1; else logps.detach())
     lp_kw = dict(temperature=args.temperature, chunk_size=args.logp_chunk_size)
-    with torch.no_grad():
+    with torch.no_grad(), autocast(args, device):
         ref_logps = (completion_logps(ref_model, input_ids, attention_mask, T, **lp_kw)[0]
                      if ref_model is not None else None)
         old_logps = (completion_logps(model, input_ids, attention_mask, T, **lp_kw)[0]
@@ -952,7 +995,8 @@ def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, we
               "loss": loss / world, "policy_loss": pl / world, "kl": kl / world, "entropy": state.world_entropy,
               "entropy_coef": state.entropy_coef, "entropy_coef_applied": coef_used, "clip_ratio": clip / world,
               "completion_len": c_len / world, "truncated_frac": trunc / world, "grad_norm": grad_norm.item(),
-              "step_time": dt, "generate_time": gen_time, "tokens_per_s": num_items / dt,
+              "step_time": dt, "generate_time": gen_time, "generate_share": gen_time / dt,
+              "tokens_per_s": num_items / dt, "peak_mem_gib": peak_memory_gib(device),
               "skipped_steps_in_a_row": state.bad_in_a_row, "truncated_prompts": state.truncated_prompts}
     if is_moe(model):
         record["aux_loss"] = aux / world
@@ -962,8 +1006,8 @@ def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, we
 def accumulate_gradients(model, batch, args, entropy_coef, world):
     """Steps 7-12 over S micro-batches: current log-probs through `model` (the DDP wrapper), the loss,
     backward. Gradients add up over micro-batches; DDP all-reduces them on the last one only."""
-    rows = batch["input_ids"].shape[0]
-    micro = args.micro_batch_size or rows
+    rows, width = batch["input_ids"].shape
+    micro = args.micro_batch_size or auto_micro_batch(rows, width, args)
     S = rows // micro                                                             # accumulation micro-steps
     T = batch["mask"].shape[1]
     sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip": 0.0, "aux": 0.0, "entropy_sum": 0.0}
@@ -972,10 +1016,11 @@ def accumulate_gradients(model, batch, args, entropy_coef, world):
         if isinstance(model, DDP):
             model.require_backward_grad_sync = m == S - 1
         # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper; entropy in the graph only if it is used
-        logps, entropy, aux = completion_logps(model, batch["input_ids"][sl], batch["attention_mask"][sl], T,
-                                               temperature=args.temperature, chunk_size=args.logp_chunk_size,
-                                               entropy_grad=entropy_coef != 0.0,
-                                               entropy_chunk_size=args.entropy_chunk_size)
+        with autocast(args, batch["input_ids"].device):
+            logps, entropy, aux = completion_logps(model, batch["input_ids"][sl], batch["attention_mask"][sl], T,
+                                                   temperature=args.temperature, chunk_size=args.logp_chunk_size,
+                                                   entropy_grad=entropy_coef != 0.0,
+                                                   entropy_chunk_size=args.entropy_chunk_size)
         old = batch["old_logps"][sl] if batch["old_logps"] is not None else logps.detach()
         ref = batch["ref_logps"][sl] if batch["ref_logps"] is not None else None
         # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
@@ -993,6 +1038,31 @@ def accumulate_gradients(model, batch, args, entropy_coef, world):
         sums["clip"] += stats["clip_ratio"].item() / S
         sums["entropy_sum"] += (entropy.detach() * batch["mask"][sl]).sum().item()
     return sums
+
+
+def auto_micro_batch(rows, width, args):
+    """Rows per micro-batch when --micro_batch_size is 0: all of them for the built-in model; for a real
+    model the largest divisor of rows whose micro-batch holds at most --micro_batch_tokens tokens."""
+    if not args.model_name_or_path:
+        return rows
+    return max([d for d in range(1, rows + 1) if rows % d == 0 and d * width <= args.micro_batch_tokens] or [1])
+
+
+def use_static_cache(args, device):
+    return args.rollout_cache == "static" or (args.rollout_cache == "auto" and torch.device(device).type == "cuda")
+
+
+def reset_peak_memory(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gib(device):
+    """CUDA: the most allocated since this step began. CPU: the process's peak resident memory so far."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20                # KiB on Linux
 
 
 def clipped_optimizer_step(policy, optimizer, grad_clip, loss, state, device):
@@ -1076,7 +1146,7 @@ def train(args, rank, world, device):
     ref_model = None
     if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
         import copy
-        ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+        ref_model = copy.deepcopy(policy).eval().requires_grad_(False).to(getattr(torch, args.dtype))
     optimizer, scheduler = build_optimizer(policy, args)
 
     # --- fresh start or resume ---
@@ -1120,7 +1190,8 @@ def train(args, rank, world, device):
         if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
             record["eval_accuracy"] = evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device)
         log_metrics(metrics_path, record, rank)
-        bar.set_postfix(reward=f"{record['reward']:.3f}", acc=record.get("eval_accuracy", ""))
+        bar.set_postfix(reward=f"{record['reward']:.3f}", acc=record.get("eval_accuracy", ""),
+                        gen=f"{record['generate_share']:.0%}", mem=f"{record['peak_mem_gib']:.1f}G")
         stopping = args.stop_after and step >= args.stop_after
         if (args.save_interval and step % args.save_interval == 0) or step == args.max_steps or stopping:
             save(args, model, tokenizer, optimizer, scheduler, state, rank)

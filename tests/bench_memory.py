@@ -38,7 +38,7 @@ def one_variant(variant, rows, T, device):
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if variant == "c":
-            logps, entropy = tg.chunked_logps(lm_head, hidden, targets, chunk_size=64)
+            logps, entropy = tg.chunked_logps(lm_head, hidden, targets, chunk_size=256)  # 4 rows x 64 positions
         else:
             logits = lm_head(hidden).float()                                     # [rows, T, V] in the graph
             logps = tg.selective_log_softmax(logits, targets)

@@ -25,14 +25,28 @@ def env1():
     return env
 
 
-def run_cli(*args, nproc=1, timeout=600):
+def cli_command(args, nproc):
     args = [str(a) for a in args]
     if nproc == 1:
-        cmd = [sys.executable, TRAIN, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), TRAIN, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env1())
+        return [sys.executable, TRAIN, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port()), TRAIN, *args]
+
+
+def run_cli(*args, nproc=1, timeout=600):
+    return subprocess.run(cli_command(args, nproc), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env1())
+
+
+def run_clis(*runs, nproc=1, timeout=600):
+    """Independent CLI runs side by side (each its own process): a list of CompletedProcess, in order."""
+    procs = [subprocess.Popen(cli_command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT, env=env1()) for args in runs]
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
 
 
 def free_port():

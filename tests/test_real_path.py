@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from helpers import FAST, ROOT, run_cli, tg, tiny
+from helpers import FAST, ROOT, run_cli, run_clis, tg, tiny
 
 SAMPLE = os.path.join(ROOT, "tests", "data", "gsm8k_sample.jsonl")
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -145,7 +145,7 @@ def test_long_prompts_are_left_truncated_and_counted(tmp_path):
 
 
 # ---- checkpoints and exact resume ----
-TIMING = {"step_time", "generate_time", "tokens_per_s"}
+TIMING = {"step_time", "generate_time", "tokens_per_s", "generate_share", "peak_mem_gib"}  # measured, not computed
 
 
 def load_final(d):
@@ -153,14 +153,17 @@ def load_final(d):
     return load_file(os.path.join(d, "final", "model.safetensors"))
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_resume_continues_exactly(tmp_path, nproc):
+@pytest.mark.parametrize("nproc, dtype, moe", [(1, "float32", 0), (2, "float32", 0), (1, "bfloat16", 1),
+                                               (2, "float32", 1)])
+def test_resume_continues_exactly(tmp_path, nproc, dtype, moe):
+    # MoE too: transformers saves its fused experts one tensor per expert, and resume must read them back
     common = [*FAST, "--max_steps", "4", "--lr_scheduler", "cosine", "--warmup_steps", "2", "--beta", "0.04",
               "--sft_warmup_steps", "3", "--use_adaptive_entropy", "1", "--entropy_target", "5",
-              "--max_prompt_len", "5"]  # every prompt is cut: the truncation counter must survive the resume too
+              "--max_prompt_len", "5", "--dtype", dtype, "--use_moe", moe]  # every prompt is cut: the truncation counter must survive the resume too
     a, b = tmp_path / "a", tmp_path / "b"
-    assert run_cli(*common, "--save_dir", a, nproc=nproc).returncode == 0
-    first = run_cli(*common, "--stop_after", "2", "--save_dir", b, nproc=nproc)
+    straight, first = run_clis([*common, "--save_dir", a], [*common, "--stop_after", "2", "--save_dir", b],
+                               nproc=nproc)
+    assert straight.returncode == 0, straight.stderr[-2000:]
     assert first.returncode == 0 and not (b / "final").exists(), first.stderr[-2000:]
     second = run_cli(*common, "--resume", "auto", "--save_dir", b, nproc=nproc)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -1,0 +1,123 @@
+"""Real-size concerns on the CPU: bf16 compute on fp32 master weights, the static-cache rollout, and log-prob
+chunks bounded in tokens."""
+import math
+
+import pytest
+import torch
+
+from helpers import FAST, tg, tiny
+
+
+def adam_step_bound(t, beta1=0.9, beta2=0.999):
+    """Largest |m_hat_t| / sqrt(v_hat_t) over any gradients (Cauchy-Schwarz on Adam's bias-corrected averages):
+    sqrt(sum_i a_i^2 / b_i), a_i = (1-b1) b1^(t-i) / (1-b1^t), b_i = (1-b2) b2^(t-i) / (1-b2^t)."""
+    a = [(1 - beta1) * beta1 ** (t - i) / (1 - beta1 ** t) for i in range(1, t + 1)]
+    b = [(1 - beta2) * beta2 ** (t - i) / (1 - beta2 ** t) for i in range(1, t + 1)]
+    return math.sqrt(sum(x * x / y for x, y in zip(a, b)))
+
+
+def run(tmp_path, dtype, steps, monkeypatch):
+    grads = []
+    real = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        grads.append([p.grad.clone() for p in self.param_groups[0]["params"]])
+        return real(self, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    res = tg.main(FAST + ["--max_steps", str(steps), "--dtype", dtype, "--learning_rate", "1e-6",
+                          "--save_dir", str(tmp_path / dtype)])
+    monkeypatch.undo()
+    return list(res["model"].parameters()), grads
+
+
+def test_bf16_updates_of_1e6_land_and_stay_within_adams_reach_of_fp32(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    start = list(tiny()[0].parameters())                 # the trainer's initial weights (same seed)
+    after, grads = run(tmp_path, "bfloat16", 1, monkeypatch)
+    # every weight whose gradient is non-zero moves (pure bf16 weights moved ~1% of them: 1e-6 is below
+    # bf16's spacing near 0.02); they stay fp32 master weights
+    for p0, p1, g in zip(start, after, grads[0]):
+        assert p1.dtype == torch.float32
+        assert torch.equal(p0 != p1, g != 0), "an update was lost"
+    # 3 steps: each AdamW step moves a weight by at most lr * adam_step_bound(t), whatever the gradient,
+    # so two runs from the same start differ by at most twice the sum
+    bf16, _ = run(tmp_path / "3", "bfloat16", 3, monkeypatch)
+    fp32, _ = run(tmp_path / "3", "float32", 3, monkeypatch)
+    tol = 2 * 1e-6 * sum(adam_step_bound(t) for t in (1, 2, 3))
+    for a, b, p0 in zip(bf16, fp32, start):
+        assert (a - b).abs().max().item() <= tol * (1 + 1e-3)
+        assert not torch.equal(a, p0)
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "3" / "bfloat16" / "final")
+    assert all(p.dtype == torch.float32 for p in final.parameters())  # plain from_pretrained loads it
+
+
+def varied_prompts(tok):
+    return tg.tokenize_prompts(tok, [p for p in ("abc=", "hgfedcba=", "ba=", "cabde=") for _ in range(2)], 64, "cpu")
+
+
+def test_static_cache_greedy_tokens_equal_the_dynamic_caches():
+    model, tok = tiny(seed=3)
+    ids, am, _ = varied_prompts(tok)
+    dynamic = tg.rollout(model, ids, am, tok, max_gen_len=6, do_sample=False)[0]
+    static = tg.rollout(model, ids, am, tok, max_gen_len=6, do_sample=False, static_cache=True)[0]
+    assert torch.equal(dynamic, static)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_static_cache_rollout_sees_the_weights_of_the_current_step(compiled):
+    from transformers import CompileConfig
+    model, tok = tiny(seed=3)
+    config = None
+    if compiled:  # transformers compiles the decode step on CUDA only; here force it, with dynamo's eager backend
+        config = CompileConfig(backend="eager", fullgraph=False)
+        config._compile_all_devices = True
+    import torch._dynamo.utils as dynamo_utils
+    graphs = [dynamo_utils.counters["stats"]["unique_graphs"]]
+    ids, am, _ = varied_prompts(tok)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(2):   # rollout, update, rollout: the second must sample from the updated weights
+        scores, real = {}, model.generate
+
+        def generate(**kw):
+            kw["generation_config"].output_scores = kw["generation_config"].return_dict_in_generate = True
+            out = real(**kw)
+            scores["s"] = torch.stack(out.scores, 1)
+            return out.sequences
+        model.generate = generate
+        torch.manual_seed(step)
+        comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=6, static_cache=True, compile_config=config)
+        del model.generate
+        logps, _, _ = tg.completion_logps(model, torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp.shape[1])
+        sampler = torch.log_softmax(scores["s"].float(), -1).gather(-1, comp[..., None]).squeeze(-1)
+        m = mask.bool()
+        torch.testing.assert_close(logps[m], sampler[m], rtol=0, atol=1e-5)
+        (-logps[m].sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    if compiled:  # compiled once, and the updated weights did not make it compile again
+        assert graphs[1] > graphs[0] and graphs[2] == graphs[1], graphs
+    else:
+        assert graphs[2] == graphs[0]
+
+
+def test_largest_logits_chunk_does_not_grow_with_rows():
+    model, tok = tiny()
+    biggest = []
+    real = tg.lm_logits
+
+    def recording(m, hidden):
+        z = real(m, hidden)
+        biggest.append(z.numel())
+        return z
+    tg.lm_logits = recording
+    try:
+        for rows in (2, 8, 32):
+            ids = torch.randint(3, len(tok), (rows, 12))
+            biggest.clear()
+            logps, _, _ = tg.completion_logps(model, ids, torch.ones_like(ids), 8, chunk_size=16)
+            logps.sum().backward()                        # the chunks are recomputed in backward: same size
+            assert max(biggest) <= 16 * len(tok), (rows, max(biggest))
+            assert len(biggest) == 2 * math.ceil(rows * 8 / 16)
+    finally:
+        tg.lm_logits = real
