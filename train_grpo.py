@@ -20,6 +20,8 @@ import argparse
 import dataclasses
 import functools
 import glob
+import importlib.util
+import inspect
 import json
 import math
 import os
@@ -59,8 +61,11 @@ class Args:
     rollout_engine: str = opt("torch", "how completions are sampled; only 'torch' (model.generate) exists")
     model_name_or_path: str = opt("", "hub name or local dir for from_pretrained; empty: build a tiny model")
     dataset: str = opt("", "gsm8k, a hub dataset, or a .jsonl/.json/.parquet file; empty: built-in task")
-    question_field: str = opt("question", "dataset field holding the prompt text")
-    answer_field: str = opt("answer", "dataset field holding the reference answer")
+    question_field: str = opt("question", "dataset field of a question (sent with GSM8K's system prompt); "
+                                          "without it, a 'prompt' field (text, or chat messages) is used as is")
+    answer_field: str = opt("answer", "dataset field holding the reference answer (optional with 'prompt')")
+    reward_funcs: str = opt("", "comma-separated reward functions, file.py:name or a train_grpo name, each "
+                                "f(completion, **row) -> float; empty: the task's own")
     reward_weights: str = opt("", "comma-separated weight per reward function; empty: task default")
     trust_remote_code: int = opt(0, "1: let from_pretrained run code shipped with the model", choices=(0, 1))
     # rollout
@@ -119,6 +124,9 @@ class Args:
                                      "auto (static on CUDA, dynamic on CPU)", choices=("auto", "static", "dynamic"))
     device: str = opt("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
     stop_after: int = opt(0, "stop (as if interrupted) after this step; 0: run to max_steps")
+    report_to: str = opt("none", "also log each step's record to wandb or tensorboard (optional packages)",
+                         choices=("none", "wandb", "tensorboard"))
+    run_name: str = opt("", "name of the run in wandb/tensorboard; empty: the save_dir's name")
 
 
 class TrainerError(Exception):
@@ -190,10 +198,12 @@ def check_args(args):
         except ValueError:
             yield f"--reward_weights {a.reward_weights!r}: expected comma-separated numbers such as 1,0.1"
             return
-        n_rewards = 2 if a.dataset else 1  # built-in task: reverse_reward; a dataset: correct + format
-        if len(weights) != n_rewards or not all(map(math.isfinite, weights)):
-            yield (f"--reward_weights has {len(weights)} value(s) for {n_rewards} reward function(s) "
-                   f"({', '.join(f.__name__ for f in task_rewards(a))}), each finite")
+        names = a.reward_funcs.split(",") if a.reward_funcs else [f.__name__ for f in task_rewards(a)]
+        if len(weights) != len(names) or not all(map(math.isfinite, weights)):
+            yield (f"--reward_weights has {len(weights)} value(s) for {len(names)} reward function(s) "
+                   f"({', '.join(names)}), each finite")
+    if a.report_to != "none" and importlib.util.find_spec(a.report_to) is None:
+        yield f"--report_to {a.report_to}: the package is not installed (pip install {a.report_to})"
     yield from check_paths(a)
 
 
@@ -325,6 +335,41 @@ def task_rewards(args):
     return [gsm8k_correct_reward, gsm8k_format_reward] if args.dataset else [reverse_reward]
 
 
+def load_reward_funcs(spec):
+    """'file.py:name,gsm8k_format_reward' -> functions. A file is imported as a module (its own code, never
+    model text); a bare name is one of this file's reward functions."""
+    fns = []
+    for item in spec.split(","):
+        path, _, name = item.strip().rpartition(":")
+        if not path:
+            fn = globals().get(name)
+            if not name.endswith("_reward") or not callable(fn):
+                raise TrainerError(f"--reward_funcs {item}: no reward function {name!r} in train_grpo.py; "
+                                   "write file.py:name for your own")
+        else:
+            if not os.path.isfile(path):
+                raise TrainerError(f"--reward_funcs {item}: no such file {path}")
+            try:
+                spec_ = importlib.util.spec_from_file_location(f"reward_{len(fns)}", path)
+                module = importlib.util.module_from_spec(spec_)
+                spec_.loader.exec_module(module)
+            except Exception as e:
+                raise TrainerError(f"--reward_funcs {item}: importing {path} failed ({one_line(e)})") from None
+            fn = getattr(module, name, None)
+            if not callable(fn):
+                raise TrainerError(f"--reward_funcs {item}: {path} has no function {name!r}")
+        fns.append(fn)
+    return fns
+
+
+def call_reward(fn, completion, row):
+    # f(completion, **row): the row's fields that f names (all of them if it takes **kwargs)
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(completion, **row)
+    return fn(completion, **{k: v for k, v in row.items() if k in params})
+
+
 def load_rows(args):
     """Local .jsonl/.json/.parquet or a hub dataset through `datasets.load_dataset`: (train, eval) rows."""
     import datasets
@@ -349,19 +394,33 @@ def load_rows(args):
             raise TrainerError(f"--dataset {name}: could not load {hub_name} ({type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''})")
     train = splits["train"] if "train" in splits else splits[list(splits)[0]]
-    missing = [f for f in (args.question_field, args.answer_field) if f not in train.column_names]
+    columns = train.column_names
+    needed = ([args.question_field, args.answer_field] if args.question_field in columns or "prompt" not in columns
+              else ["prompt"])
+    missing = [f for f in needed if f not in columns]
     if missing:
-        raise TrainerError(f"--dataset {name}: missing field(s) {', '.join(missing)} (has {', '.join(train.column_names)}); "
-                           f"set --question_field/--answer_field")
+        raise TrainerError(f"--dataset {name}: missing field(s) {', '.join(missing)} (has {', '.join(columns)}); "
+                           f"set --question_field/--answer_field, or give a 'prompt' field")
     if len(train) == 0:
         raise TrainerError(f"--dataset {name}: the dataset is empty")
-    def pick(split):
-        return [{"question": r[args.question_field], "answer": str(r[args.answer_field])} for r in split]
-    rows = pick(train)
+    rows = [dict(r) for r in train]
     if "test" in splits:
-        return rows, pick(splits["test"])
+        return rows, [dict(r) for r in splits["test"]][:args.eval_size]
     n_eval = min(args.eval_size, len(rows) // 10) if len(rows) >= 10 else 0
     return rows[n_eval:], rows[:n_eval]
+
+
+def render_prompt(tokenizer, row, args):
+    """A dataset row -> the prompt text: a question goes out with GSM8K's system prompt (format_prompt); a
+    'prompt' field is used as is when it is text, through the chat template when it is chat messages."""
+    if args.question_field in row:
+        return format_prompt(tokenizer, row[args.question_field])
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no chat template")
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
 def format_prompt(tokenizer, question):
@@ -447,15 +506,18 @@ def decode_completions(tokenizer, completion_ids, mask):
 # ----------------------------------------------------------------------------------------------------
 # Reward and advantage (steps 3-4)
 # ----------------------------------------------------------------------------------------------------
-def compute_rewards(reward_fns, weights, completions, answers, prompts):
-    # r_i = sum_k w_k * reward_k(o_i, answer_i); a reward that raises is an error naming the sample
+def compute_rewards(reward_fns, weights, completions, rows):
+    # r_i = sum_k w_k * reward_k(o_i, **row_i); a reward that raises or is not a number names the sample
     rewards = torch.zeros(len(completions))
     for fn, w in zip(reward_fns, weights):
-        for i, (c, a) in enumerate(zip(completions, answers)):
+        for i, (c, row) in enumerate(zip(completions, rows)):
             try:
-                rewards[i] += w * float(fn(c, a))
+                value = call_reward(fn, c, row)
+                if value is None or isinstance(value, (str, bytes)):
+                    raise TypeError(f"returned {value!r:.40}, not a number")
+                rewards[i] += w * float(value)
             except Exception as e:
-                raise TrainerError(f"reward {fn.__name__} raised on sample {i} (prompt {prompts[i][-60:]!r}, "
+                raise TrainerError(f"reward {fn.__name__} raised on sample {i} (prompt {row['prompt'][-60:]!r}, "
                                    f"completion {c[:60]!r}): {type(e).__name__}: {e}") from None
     return rewards
 
@@ -763,9 +825,10 @@ def load_weights(model, ckpt, trust_remote_code=False):
 # Evaluation: greedy accuracy on the held-out split, shared across ranks.
 # ----------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device, batch=256):
+def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=256):
+    """Mean of score(greedy completion, row) over the held-out rows, all ranks together."""
     mine = eval_rows[rank::world]
-    correct = 0
+    correct = 0.0
     for s in range(0, len(mine), batch):
         rows = mine[s:s + batch]
         static = use_static_cache(args, device)
@@ -775,7 +838,7 @@ def evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device
             comp, mask, _ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len, do_sample=False,
                                     static_cache=static)
         texts = decode_completions(tokenizer, comp, mask)
-        correct += sum(bool(is_correct(t, r["answer"])) for t, r in zip(texts, rows))
+        correct += sum(score(t, r) for t, r in zip(texts, rows))
     c, n = world_sum(correct, len(mine), device=device)
     return c / max(n, 1)
 
@@ -851,21 +914,27 @@ def load_model_and_tokenizer(args, device):
 
 
 def load_task(args, tokenizer, world):
-    """(train rows, eval rows, reward functions, their weights, is_correct); rows are {prompt, answer}."""
+    """Train rows, eval rows (dicts: 'prompt', the rendered text, plus every column of the dataset), reward
+    functions, their weights, and the held-out score: its name and score(completion, row) -> float."""
     if not args.dataset:
         train_rows, eval_rows = make_reverse_task(args.eval_size)
         is_correct = reverse_correct
     else:
-        train_rows, eval_rows = ([{"prompt": format_prompt(tokenizer, r["question"]), "answer": r["answer"]}
+        train_rows, eval_rows = ([{**r, "prompt": render_prompt(tokenizer, r, args),
+                                   **({"answer": str(r[args.answer_field])} if args.answer_field in r else {})}
                                   for r in rows] for rows in load_rows(args))
         is_correct = gsm8k_correct
-    reward_fns = task_rewards(args)
+    reward_fns = load_reward_funcs(args.reward_funcs) if args.reward_funcs else task_rewards(args)
     weights = ([float(w) for w in args.reward_weights.split(",")] if args.reward_weights
                else [1.0] + [0.1] * (len(reward_fns) - 1))
     if len(train_rows) < args.batch_size * world:
         raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than batch_size * ranks = "
                            f"{args.batch_size * world}")
-    return train_rows, eval_rows, reward_fns, weights, is_correct
+    if args.reward_funcs:  # your rewards: the held-out score is their weighted sum on greedy completions
+        return train_rows, eval_rows, reward_fns, weights, ("eval_reward", lambda text, row: compute_rewards(
+            reward_fns, weights, [text], [row])[0].item())
+    score = lambda text, row: float(is_correct(text, row["answer"]))
+    return train_rows, eval_rows, reward_fns, weights, ("eval_accuracy", score)
 
 
 def wrap_ddp(model, device):
@@ -932,8 +1001,8 @@ def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, we
     reset_peak_memory(device)
     static = use_static_cache(args, device)
     # 1. prompts: each repeated G times so a group is contiguous; left-padded, left-truncated
-    prompts = [r["prompt"] for r in rows for _ in range(G)]
-    answers = [r["answer"] for r in rows for _ in range(G)]
+    rows = [r for r in rows for _ in range(G)]
+    prompts = [r["prompt"] for r in rows]
     prompt_ids, prompt_mask, n_cut = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device,
                                                       pad_to_multiple_of=64 if static else 1)
 
@@ -947,7 +1016,7 @@ def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, we
 
     # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i)
     completions = decode_completions(tokenizer, completion_ids, mask)
-    rewards = compute_rewards(reward_fns, weights, completions, answers, prompts)  # [rows]
+    rewards = compute_rewards(reward_fns, weights, completions, rows)              # [rows]
     # 4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4); batch: the std of all ranks' rewards
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
     advantages = compute_advantages(rewards, G, args.scale_rewards, batch_std).to(device)  # [rows]
@@ -1103,10 +1172,52 @@ def resume(args, ckpt, policy, optimizer, scheduler, rank, metrics_path):
     return state
 
 
-def log_metrics(metrics_path, record, rank):
+def log_metrics(metrics_path, record, rank, report=None):
+    """Rank 0 appends the record to metrics.jsonl, and hands it to --report_to's logger if there is one."""
     if rank == 0:
         with open(metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if report is not None:
+            report(record)
+
+
+def open_report(args, rank):
+    """--report_to: (send(record), close()) for wandb or TensorBoard on rank 0, else (None, None). Imported
+    only when asked: neither package is a requirement of the trainer."""
+    if args.report_to == "none" or rank != 0:
+        return None, None
+    name = args.run_name or os.path.basename(os.path.normpath(args.save_dir))
+    if args.report_to == "wandb":
+        import wandb
+        run = wandb.init(project="train_grpo", name=name, dir=args.save_dir, config=dataclasses.asdict(args))
+        return (lambda record: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]),
+                run.finish)
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(os.path.join(args.save_dir, "tensorboard", name))
+
+    def send(record):
+        for k, v in record.items():
+            if k != "step":
+                writer.add_scalar(k, v, record["step"])
+        writer.flush()
+    return send, writer.close
+
+
+def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank):
+    """Rank 0: the final model as a plain transformers directory, and one summary line."""
+    if rank != 0:
+        return
+    where = find_checkpoint(args.save_dir)
+    if state.step == args.max_steps:
+        where = os.path.join(args.save_dir, "final")
+        policy.save_pretrained(where, safe_serialization=True)
+        tokenizer.save_pretrained(where)
+        print(f"saved {where}")
+    evals = [(r["step"], r[eval_key]) for r in map(json.loads, open(metrics_path)) if eval_key in r]
+    held_out = (f"held-out {eval_key} {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
+                f"(step {evals[-1][0]})" if evals else "no held-out eval (--eval_interval 0)")
+    print(f"done: step {state.step} of {args.max_steps} in {time.time() - started:.0f} s; {held_out}; "
+          f"model: {where}")
 
 
 def save(args, model, tokenizer, optimizer, scheduler, state, rank):
@@ -1129,14 +1240,14 @@ def main(argv=None):
 
 
 def train(args, rank, world, device):
-    master = rank == 0
+    master, started = rank == 0, time.time()
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
 
     # --- model, data, DDP, reference, optimizer ---
     policy, tokenizer = load_model_and_tokenizer(args, device)
-    train_rows, eval_rows, reward_fns, weights, is_correct = load_task(args, tokenizer, world)
+    train_rows, eval_rows, reward_fns, weights, (eval_key, score) = load_task(args, tokenizer, world)
     sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
     model = wrap_ddp(policy, device) if world > 1 else policy
@@ -1153,6 +1264,7 @@ def train(args, rank, world, device):
     if master:
         os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
+    report, close_report = open_report(args, rank)
     ckpt = find_checkpoint(args.save_dir) if args.resume == "auto" else (args.resume or None)
     if ckpt:
         state = resume(args, ckpt, policy, optimizer, scheduler, rank, metrics_path)
@@ -1163,10 +1275,10 @@ def train(args, rank, world, device):
         if master:
             open(metrics_path, "w").close()
         if args.eval_interval > 0:
-            acc = evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device)
-            log_metrics(metrics_path, {"step": 0, "eval_accuracy": acc}, rank)
+            acc = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
+            log_metrics(metrics_path, {"step": 0, eval_key: acc}, rank, report)
             if master:
-                print(f"eval_accuracy before GRPO: {acc:.3f}")
+                print(f"{eval_key} before GRPO: {acc:.3f}")
 
     # --- the loop: prompts, one GRPO step, schedule, evaluate, log, save ---
     model.train()
@@ -1188,9 +1300,9 @@ def train(args, rank, world, device):
             raise TrainerError(f"step {step}: loss or grad norm not finite for 3 steps in a row; stopping "
                                f"(last good checkpoint: {find_checkpoint(args.save_dir) or 'none'})")
         if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
-            record["eval_accuracy"] = evaluate(policy, tokenizer, eval_rows, is_correct, args, rank, world, device)
-        log_metrics(metrics_path, record, rank)
-        bar.set_postfix(reward=f"{record['reward']:.3f}", acc=record.get("eval_accuracy", ""),
+            record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
+        log_metrics(metrics_path, record, rank, report)
+        bar.set_postfix(reward=f"{record['reward']:.3f}", eval=record.get(eval_key, ""),
                         gen=f"{record['generate_share']:.0%}", mem=f"{record['peak_mem_gib']:.1f}G")
         stopping = args.stop_after and step >= args.stop_after
         if (args.save_interval and step % args.save_interval == 0) or step == args.max_steps or stopping:
@@ -1198,11 +1310,9 @@ def train(args, rank, world, device):
         if stopping:
             break
 
-    if master and state.step == args.max_steps:  # the final model: a plain transformers directory
-        final = os.path.join(args.save_dir, "final")
-        policy.save_pretrained(final, safe_serialization=True)
-        tokenizer.save_pretrained(final)
-        print(f"saved {final}")
+    finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank)
+    if close_report is not None:
+        close_report()
     barrier()
     return {"model": policy, "step": state.step, "entropy_coef": state.entropy_coef,
             "entropy_coef_applied": state.entropy_coef_applied, "world_entropy": state.world_entropy}

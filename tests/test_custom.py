@@ -1,0 +1,164 @@
+"""Your own task without editing the trainer: reward functions from a file, 'prompt' datasets (text or chat
+messages) whose other columns reach the rewards, wandb / TensorBoard logging, the closing summary."""
+import glob
+import json
+import os
+
+import pytest
+
+from helpers import run_cli, tg
+from test_real_path import CHAT_TEMPLATE, save_tiny
+
+REAL = ["--batch_size", "2", "--num_generations", "2", "--max_gen_len", "6", "--eval_interval", "0"]
+
+REWARD_FILE = '''
+import json, os
+LOG = os.environ["REWARD_LOG"]
+
+def length_reward(completion, target_len, **row):
+    """Closer to the row's target_len is better; records what it was given."""
+    with open(LOG, "a") as f:
+        f.write(json.dumps({"completion": completion, "target_len": target_len, "prompt": row["prompt"],
+                            "topic": row["topic"]}) + "\\n")
+    return -abs(len(completion) - target_len)
+
+
+def topic_seen(completion, topic):
+    """Names one column and no **kwargs: it gets that column alone."""
+    with open(LOG + ".topics", "a") as f:
+        f.write(topic + "\\n")
+    return 0.0
+'''
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("model"))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_reward_file_and_prompt_dataset_with_extra_columns(tmp_path, model_dir, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(REWARD_FILE)
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "calls.jsonl"))
+    rows = [{"prompt": f"Say {n} letters:", "target_len": n, "topic": f"t{n}"} for n in range(1, 9)]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", data, "--max_steps", "3",
+                    "--reward_funcs", f"{tmp_path / 'my_rewards.py'}:length_reward,{tmp_path / 'my_rewards.py'}:topic_seen",
+                    "--reward_weights", "1,1", "--save_dir", str(tmp_path / "run")])
+    calls = [json.loads(l) for l in open(tmp_path / "calls.jsonl")]
+    assert open(tmp_path / "calls.jsonl.topics").read().split() == [c["topic"] for c in calls]
+    assert len(calls) == 3 * 2 * 2                                            # steps x prompts x completions
+    by_prompt = {r["prompt"]: r for r in rows}                                # a text prompt is used as is
+    for c in calls:
+        assert c["target_len"] == by_prompt[c["prompt"]]["target_len"] and c["topic"] == by_prompt[c["prompt"]]["topic"]
+    logged = [json.loads(l)["reward"] for l in open(tmp_path / "run" / "metrics.jsonl")]
+    per_step = [[-abs(len(c["completion"]) - c["target_len"]) for c in calls[4 * s:4 * s + 4]] for s in range(3)]
+    assert logged == pytest.approx([sum(r) / 4 for r in per_step])
+
+
+def test_chat_message_prompts_go_through_the_chat_template(tmp_path, model_dir, monkeypatch):
+    seen = []
+    monkeypatch.setattr(tg, "gsm8k_format_reward", lambda completion, prompt: seen.append(prompt) or 0.0)
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count to {n}."}]}
+            for n in range(4)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", data, "--max_steps", "1",
+                    "--reward_funcs", "gsm8k_format_reward", "--save_dir", str(tmp_path / "run")])
+    # the template, rendered by hand: <|role|>\ncontent\n per message, then the generation prompt
+    expected = {f"<|system|>\nBe brief.\n<|user|>\nCount to {n}.\n<|assistant|>\n" for n in range(4)}
+    assert seen and set(seen) <= expected
+    assert CHAT_TEMPLATE.startswith("{% for m in messages %}<|{{ m['role'] }}|>")  # the template this assumes
+
+
+@pytest.mark.parametrize("content, words", [
+    ("def length_reward(completion:\n", "importing"),                        # a syntax error
+    ("def other(completion): return 1.0\n", "no function 'length_reward'"),
+    ("def length_reward(completion): return 'good'\n", "not a number"),
+    ("def length_reward(completion): return 1 / 0\n", "ZeroDivisionError"),
+])
+def test_broken_reward_file_is_one_line(tmp_path, model_dir, capsys, content, words):
+    (tmp_path / "r.py").write_text(content)
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    status = tg.cli(REAL + ["--model_name_or_path", model_dir, "--dataset", data, "--max_steps", "1",
+                            "--reward_funcs", f"{tmp_path / 'r.py'}:length_reward", "--save_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert status == 1 and len(lines) == 1 and words in lines[0] and "length_reward" in lines[0], err[-2000:]
+
+
+def wandb_history(run_file):
+    """The 'history' records of an offline wandb run file (a LevelDB-style log of protobuf Records)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+    data, pos, pending, rows = open(run_file, "rb").read(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:                                              # block trailer: zero padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):                                                      # FULL, or LAST of a split record
+            record = Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_wandb_offline_run_holds_the_logged_rewards(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    res = run_cli("--batch_size", "4", "--num_generations", "4", "--max_gen_len", "6", "--sft_warmup_steps", "0",
+                  "--eval_interval", "0", "--max_steps", "3", "--report_to", "wandb", "--save_dir", tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    logged = [json.loads(l)["reward"] for l in open(tmp_path / "metrics.jsonl")]
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history = [h for h in wandb_history(run_file) if "reward" in h]
+    assert [h["reward"] for h in history] == pytest.approx(logged)
+    assert [h["_step"] for h in history] == [1, 2, 3]
+
+
+def test_tensorboard_events_hold_the_logged_rewards(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator  # requirements-test.txt only
+    tg.main(["--batch_size", "4", "--num_generations", "4", "--max_gen_len", "6", "--sft_warmup_steps", "0",
+             "--eval_interval", "0", "--max_steps", "3", "--report_to", "tensorboard", "--run_name", "tb",
+             "--save_dir", str(tmp_path)])
+    logged = [json.loads(l)["reward"] for l in open(tmp_path / "metrics.jsonl")]
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard" / "tb"))
+    acc.Reload()
+    events = acc.Scalars("reward")
+    assert [e.step for e in events] == [1, 2, 3]
+    assert [e.value for e in events] == pytest.approx(logged, rel=1e-6)        # stored as float32
+
+
+def test_missing_report_package_is_one_line(tmp_path, capsys, monkeypatch):
+    real = tg.importlib.util.find_spec
+    monkeypatch.setattr(tg.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(SystemExit):
+        tg.cli(["--report_to", "wandb", "--save_dir", str(tmp_path / "run")])
+    assert "--report_to wandb: the package is not installed" in capsys.readouterr().err
+
+
+def test_summary_line_and_eval_size_caps_a_test_split(tmp_path, model_dir, capsys, monkeypatch):
+    import datasets
+    rows = [json.loads(l) for l in open(os.path.join(os.path.dirname(__file__), "data", "gsm8k_sample.jsonl"))]
+    split = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:24]),
+                                  "test": datasets.Dataset.from_list(rows[8:])})   # a hub dataset's two splits
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: split)
+    scored = []
+    real = tg.gsm8k_correct
+    monkeypatch.setattr(tg, "gsm8k_correct", lambda c, a: scored.append(a) or real(c, a))
+    tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", "someone/gsm8k-like", "--max_steps", "2",
+                    "--eval_interval", "2", "--eval_size", "5", "--save_dir", str(tmp_path)])
+    assert len(scored) == 2 * 5                                   # before and after, 5 of the 24 test problems
+    out = capsys.readouterr().out
+    evals = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if "eval_accuracy" in l]
+    line = [l for l in out.splitlines() if l.startswith("done:")]
+    assert line == [f"done: step 2 of 2 in {line[0].split(' in ')[1].split(' s;')[0]} s; held-out eval_accuracy "
+                    f"{evals[0]['eval_accuracy']:.3f} (step 0) -> {evals[-1]['eval_accuracy']:.3f} (step 2); "
+                    f"model: {tmp_path / 'final'}"]
