@@ -120,6 +120,8 @@ class Args:
     eval_size: int = opt(256, "held-out prompts (built-in task, or files without a test split)")
     dtype: str = opt("float32", "compute dtype: weights and AdamW state stay float32, forward and rollout run "
                                 "under autocast in this dtype", choices=("float32", "bfloat16", "float16"))
+    fsdp: int = opt(0, "1: shard parameters, gradients and optimizer state over the ranks with FSDP2 "
+                       "(fully_shard) instead of replicating them with DDP", choices=(0, 1))
     rollout_cache: str = opt("auto", "KV cache of generate: static (CUDA compiles its decode step), dynamic, or "
                                      "auto (static on CUDA, dynamic on CPU)", choices=("auto", "static", "dynamic"))
     device: str = opt("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
@@ -202,6 +204,10 @@ def check_args(args):
         if len(weights) != len(names) or not all(map(math.isfinite, weights)):
             yield (f"--reward_weights has {len(weights)} value(s) for {len(names)} reward function(s) "
                    f"({', '.join(names)}), each finite")
+    for item in filter(None, a.reward_funcs.split(",")):
+        path = item.strip().rpartition(":")[0]
+        if path and not os.path.isfile(path):
+            yield f"--reward_funcs {item}: no such file {path}"
     if a.report_to != "none" and importlib.util.find_spec(a.report_to) is None:
         yield f"--report_to {a.report_to}: the package is not installed (pip install {a.report_to})"
     yield from check_paths(a)
@@ -446,7 +452,30 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, pad_to_multiple
 
 
 def unwrap(model):
+    # DDP wraps the policy; FSDP2's fully_shard changes the policy in place, so there is nothing to unwrap
     return model.module if isinstance(model, DDP) else model
+
+
+def is_fsdp(model):
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+class gathered:
+    """Under FSDP2: every layer's full parameters for the whole rollout (one all-gather per layer, instead of
+    one per layer per generated token), sharded again after. Elsewhere: nothing."""
+    def __init__(self, model):
+        self.modules = [m for m in model.modules() if is_fsdp(m)]
+
+    def __enter__(self):
+        for m in self.modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.reshard()
+            m.set_reshard_after_forward(m is not self.modules[0], recurse=False)  # the root never reshards
 
 
 def autocast(args, device):
@@ -489,7 +518,8 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     policy.eval()
     policy.generation_config = GenerationConfig()  # generate() fills unset fields from this: library defaults only
     try:
-        out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        with gathered(policy):
+            out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     finally:
         policy.generation_config = checkpoint_config
         policy.train(was_training)
@@ -630,7 +660,7 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                   # as generate() computes them
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     moe, aux = hasattr(unwrap(model).config, "router_aux_loss_coef"), None
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or is_fsdp(model):  # FSDP: only the root's forward gathers embeddings and norm
         out = model(**inputs, output_hidden_states=True, logits_to_keep=1,
                     **({"output_router_logits": True} if moe else {}))
         hidden, aux = out.hidden_states[-1], getattr(out, "aux_loss", None) if moe else None
@@ -770,8 +800,11 @@ def barrier():
         dist.barrier()
 
 
-def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank):
-    """save_dir/checkpoint-<step>/: model.safetensors + config + tokenizer, trainer_state.pt, rng_state_<rank>.pt."""
+def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank, optimizer_shard=None):
+    """save_dir/checkpoint-<step>/: model.safetensors + config + tokenizer, trainer_state.pt, rng_state_<rank>.pt
+    (and under FSDP optimizer_<rank>.pt, each rank's shard of AdamW's state). The weights are gathered to
+    rank 0 and saved whole, so plain from_pretrained loads them."""
+    weights = full_state_dict(model)  # a collective under FSDP: every rank takes part
     final = os.path.join(save_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     if rank == 0:
@@ -779,8 +812,10 @@ def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank):
         os.makedirs(tmp)
     barrier()
     torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
+    if optimizer_shard is not None:
+        torch.save(optimizer_shard, os.path.join(tmp, f"optimizer_{rank}.pt"))
     if rank == 0:
-        unwrap(model).save_pretrained(tmp, safe_serialization=True)
+        unwrap(model).save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
     barrier()
@@ -818,7 +853,11 @@ def load_weights(model, ckpt, trust_remote_code=False):
     if missing:
         raise TrainerError(f"checkpoint {ckpt} is from another model: it lacks {missing[0]} "
                            f"(and {len(missing) - 1} more)")
-    model.load_state_dict(saved)
+    if is_fsdp(model):  # each rank keeps its shard of the full tensors
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        set_model_state_dict(model, saved, options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(saved)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -945,6 +984,47 @@ def wrap_ddp(model, device):
                              for name, m in model.named_modules())
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                find_unused_parameters=per_expert_modules)
+
+
+def shard_fsdp(model, args, world):
+    """FSDP2: each decoder layer, then the root (embeddings, final norm, lm_head), becomes a unit whose
+    parameters, gradients and AdamW state live 1/world on each rank. A unit's forward all-gathers its full
+    parameters and frees them after; its backward reduce-scatters the gradients. Mixed precision is FSDP's own:
+    fp32 sharded master weights, parameters gathered in --dtype, gradients reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (world,))
+    compute = getattr(torch, args.dtype)
+    mp = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute, reduce_dtype=torch.float32)
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def full_state_dict(model):
+    """The whole model's parameters as plain tensors (under FSDP gathered from every rank; on CPU memory)."""
+    if not is_fsdp(model):
+        return unwrap(model).state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                broadcast_from_rank0=False))
+
+
+def frozen_copy(policy, dtype):
+    """The reference model: a frozen copy of the policy as it is now, unsharded, in the compute dtype
+    (it takes no update and needs no optimizer state, so it costs 2 bytes per parameter in bf16)."""
+    import copy
+    if not is_fsdp(policy):
+        return copy.deepcopy(policy).eval().requires_grad_(False).to(dtype)
+    from transformers import AutoModelForCausalLM
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))  # every rank: the whole
+    ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
+    disable_dropout(ref)
+    ref.load_state_dict(full)
+    return ref.eval().requires_grad_(False).to(dtype)
 
 
 def lr_factor(step, *, warmup_steps, max_steps, schedule):
@@ -1084,6 +1164,8 @@ def accumulate_gradients(model, batch, args, entropy_coef, world):
         sl = slice(m * micro, (m + 1) * micro)
         if isinstance(model, DDP):
             model.require_backward_grad_sync = m == S - 1
+        elif is_fsdp(model):  # FSDP: accumulate unsharded gradients, reduce-scatter once on the last
+            model.set_requires_gradient_sync(m == S - 1)
         # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper; entropy in the graph only if it is used
         with autocast(args, batch["input_ids"].device):
             logps, entropy, aux = completion_logps(model, batch["input_ids"][sl], batch["attention_mask"][sl], T,
@@ -1138,6 +1220,8 @@ def clipped_optimizer_step(policy, optimizer, grad_clip, loss, state, device):
     """Step 13: clip the global grad norm, step, zero the gradients. A step whose loss or grad norm is not
     finite on any rank is skipped on every rank (a world decision), and counted."""
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
+        grad_norm = grad_norm.full_tensor()
     n_bad = world_sum(not (torch.isfinite(grad_norm) and math.isfinite(loss)), device=device)[0]
     if n_bad == 0:
         optimizer.step()
@@ -1155,7 +1239,17 @@ def resume(args, ckpt, policy, optimizer, scheduler, rank, metrics_path):
     """Restore weights, optimizer, scheduler, loop state and this rank's RNG; trim the log to the checkpoint."""
     load_weights(policy, ckpt, trust_remote_code=bool(args.trust_remote_code))
     saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(saved.pop("optimizer"))
+    optimizer_state = saved.pop("optimizer")
+    if is_fsdp(policy):
+        shard = os.path.join(ckpt, f"optimizer_{rank}.pt")
+        if not os.path.isfile(shard):
+            raise TrainerError(f"checkpoint {ckpt} has no {os.path.basename(shard)} (it was written without "
+                               "--fsdp 1, or by fewer ranks)")
+        load_local_optimizer_state(optimizer, torch.load(shard, map_location="cpu", weights_only=True))
+    elif optimizer_state is None:
+        raise TrainerError(f"checkpoint {ckpt} was written under --fsdp 1; resume it with --fsdp 1")
+    else:
+        optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(saved.pop("scheduler"))
     state = TrainState(**saved)
     rng_file = os.path.join(ckpt, f"rng_state_{rank}.pt")
@@ -1205,12 +1299,13 @@ def open_report(args, rank):
 
 def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank):
     """Rank 0: the final model as a plain transformers directory, and one summary line."""
+    weights = full_state_dict(policy) if state.step == args.max_steps else None  # FSDP: every rank gathers
     if rank != 0:
         return
     where = find_checkpoint(args.save_dir)
-    if state.step == args.max_steps:
+    if weights is not None:
         where = os.path.join(args.save_dir, "final")
-        policy.save_pretrained(where, safe_serialization=True)
+        policy.save_pretrained(where, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(where)
         print(f"saved {where}")
     evals = [(r["step"], r[eval_key]) for r in map(json.loads, open(metrics_path)) if eval_key in r]
@@ -1221,9 +1316,31 @@ def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank
 
 
 def save(args, model, tokenizer, optimizer, scheduler, state, rank):
-    trainer_state = {**dataclasses.asdict(state), "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict()}
-    save_checkpoint(args.save_dir, state.step, model, tokenizer, trainer_state, rank)
+    # DDP: every rank holds the same AdamW state, rank 0 saves it; FSDP: each rank saves its own shard
+    shard = local_optimizer_state(optimizer) if is_fsdp(model) else None
+    trainer_state = {**dataclasses.asdict(state), "scheduler": scheduler.state_dict(),
+                     "optimizer": None if shard is not None else optimizer.state_dict()}
+    save_checkpoint(args.save_dir, state.step, model, tokenizer, trainer_state, rank, optimizer_shard=shard)
+
+
+def local_optimizer_state(optimizer):
+    """This rank's AdamW state with its DTensors as plain local shards (what weights_only=True loads)."""
+    sd = optimizer.state_dict()
+    sd["state"] = {i: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in st.items()}
+                   for i, st in sd["state"].items()}
+    return sd
+
+
+def load_local_optimizer_state(optimizer, sd):
+    """The inverse: each local shard becomes a DTensor laid out like its parameter again."""
+    from torch.distributed.tensor import DTensor
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, st in sd["state"].items():
+        p = params[int(i)]
+        for k, v in st.items():
+            if isinstance(p, DTensor) and v.dim() > 0:
+                st[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    optimizer.load_state_dict(sd)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1250,14 +1367,13 @@ def train(args, rank, world, device):
     train_rows, eval_rows, reward_fns, weights, (eval_key, score) = load_task(args, tokenizer, world)
     sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
-    model = wrap_ddp(policy, device) if world > 1 else policy
+    model = (shard_fsdp(policy, args, world) if args.fsdp else wrap_ddp(policy, device)) if world > 1 else policy
     if not args.model_name_or_path and args.sft_warmup_steps > 0:
         # deterministic, so a resumed run redoes it and gets the same reference model
         sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
     ref_model = None
     if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
-        import copy
-        ref_model = copy.deepcopy(policy).eval().requires_grad_(False).to(getattr(torch, args.dtype))
+        ref_model = frozen_copy(policy, getattr(torch, args.dtype))
     optimizer, scheduler = build_optimizer(policy, args)
 
     # --- fresh start or resume ---

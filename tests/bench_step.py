@@ -3,6 +3,8 @@
     python tests/bench_step.py                      # Qwen2.5-0.5B shape, CPU-sized batch (or the GPU batch on CUDA)
     python tests/bench_step.py --small              # a tiny model: a dry run of the script itself
     python tests/bench_step.py -- --rollout_cache dynamic --gradient_checkpointing 0   # extra trainer flags
+    python tests/bench_step.py --prompts 1 --generations 4 --new_tokens 16 -- --max_prompt_len 64 --dtype float32
+                                                    # a CPU without native bf16 (there bf16 matmuls are emulated)
 
 It builds a random-weight model with Qwen2.5-0.5B's published shape (896 hidden, 24 layers, 14 heads, 2 KV
 heads, 4864 MLP, tied 151,936-token vocabulary) and a tokenizer of the same vocabulary size in-process (no
@@ -118,7 +120,8 @@ def main():
     n = build(os.path.join(work, "model"), a.small)
     device = torch.cuda.get_device_name() if gpu else f"CPU ({os.cpu_count()} cores)"
     print(f"model: {'tiny' if a.small else 'Qwen2.5-0.5B shape'}, {n / 1e6:.0f}M parameters; {device}; "
-          f"{a.prompts} prompts x {a.generations} completions, {a.new_tokens} new tokens, bf16, beta 0.04")
+          f"{a.prompts} prompts x {a.generations} completions, {a.new_tokens} new tokens, "
+          f"{extra[extra.index('--dtype') + 1] if '--dtype' in extra else 'bfloat16'} compute, beta 0.04")
     results = [ours(os.path.join(work, "model"), os.path.join(work, "ours"), a, extra)]
     try:
         import trl  # noqa: F401

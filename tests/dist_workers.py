@@ -99,3 +99,41 @@ def loop_step_grads(rank, world, out_dir):
                           "comp": comp, "mask": mask, "answers": [r["answer"] for r in rows for _ in range(4)]}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def train_and_capture(rank, world, runs, out_dir):
+    """Run the real trainer once per (tag, argv) on this rank, one process group each. Saves the gradient the
+    first optimizer step receives (full tensors, also under FSDP), the final full weights (rank 0), how many
+    parameter elements this rank holds, and how often a graph forward went through the root module's __call__."""
+    import copy
+    for tag, argv in runs:
+        grads, root_calls = [], [0]
+        real_step = torch.optim.AdamW.step
+
+        def step(self, *a, **k):
+            if not grads:
+                grads.append([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                              for p in self.param_groups[0]["params"]])
+            return real_step(self, *a, **k)
+        torch.optim.AdamW.step = step
+        real_load = tg.load_model_and_tokenizer
+
+        def load(args, device):  # count the root's forwards in grad mode: the loss must go through its hooks
+            model, tok = real_load(args, device)
+            model.register_forward_pre_hook(lambda m, a: root_calls.__setitem__(0, root_calls[0] + torch.is_grad_enabled()))
+            return model, tok
+        full, real_finish = {}, tg.finish
+
+        def finish(args, policy, *a, **k):  # every rank calls it while the group is up: gather the weights
+            full.update(tg.full_state_dict(policy))
+            return real_finish(args, policy, *a, **k)
+        tg.load_model_and_tokenizer, tg.finish = load, finish
+        try:
+            res = tg.main(copy.copy(argv) + ["--save_dir", os.path.join(out_dir, tag)])
+        finally:
+            torch.optim.AdamW.step, tg.load_model_and_tokenizer, tg.finish = real_step, real_load, real_finish
+        model = res["model"]
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+        torch.save({"grads": grads[0], "params": {k: v.clone() for k, v in full.items()}, "local": local,
+                    "total": sum(p.numel() for p in model.parameters()), "root_calls": root_calls[0],
+                    "fsdp": tg.is_fsdp(model)}, os.path.join(out_dir, f"{tag}_rank{rank}.pt"))

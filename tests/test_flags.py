@@ -75,6 +75,9 @@ BAD = [
     (["--dataset", "missing.jsonl"], "--dataset"),
     (["--save_dir", a_file], "--save_dir"),
     (["--resume", "no/such/checkpoint"], "--resume"),
+    (["--reward_funcs", "no_such_rewards.py:f"], "--reward_funcs"),
+    (["--micro_batch_tokens", "0"], "--micro_batch_tokens"),
+    (["--rollout_cache", "paged"], "--rollout_cache"),
 ]
 
 
