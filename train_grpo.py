@@ -719,7 +719,8 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
     assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) in the graph has zero gradient"
     mask = mask.to(logps.dtype)
     A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
-    ratio = torch.exp(logps - old_logps)                                          # r = exp(logp - old): value 1 on-policy, grad r * dlogp
+    # r = exp(logp - old): value 1 on-policy, gradient r * dlogp (old carries no graph)
+    ratio = torch.exp(logps - old_logps)
     if loss_type == "cispo":
         # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free importance weight on a REINFORCE term
         policy = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
@@ -828,7 +829,8 @@ def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank, optim
 
 
 def find_checkpoint(save_dir):
-    done = [p for p in glob.glob(os.path.join(save_dir, "checkpoint-*")) if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))]
+    done = [p for p in glob.glob(os.path.join(save_dir, "checkpoint-*"))
+            if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))]
     return max(done, key=lambda p: int(p.rsplit("-", 1)[1])) if done else None
 
 
@@ -848,7 +850,8 @@ def load_weights(model, ckpt, trust_remote_code=False):
     for k, v in saved.items():
         if k not in own or own[k].shape != v.shape:
             theirs = tuple(own[k].shape) if k in own else "absent"
-            raise TrainerError(f"checkpoint {ckpt} is from another model shape: {k} is {tuple(v.shape)} there, {theirs} here")
+            raise TrainerError(f"checkpoint {ckpt} is from another model shape: {k} is {tuple(v.shape)} there, "
+                               f"{theirs} here")
     missing = [k for k in own if k not in saved]
     if missing:
         raise TrainerError(f"checkpoint {ckpt} is from another model: it lacks {missing[0]} "
