@@ -437,14 +437,13 @@ def format_prompt(tokenizer, question):
     return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
 
 
-def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, pad_to_multiple_of=1):
+def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
     """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
-    The width P is rounded up to a multiple of pad_to_multiple_of (a static KV cache compiles per shape).
     Returns input_ids [B, P], attention_mask [B, P] and how many prompts were cut."""
     ids = [tokenizer(p, add_special_tokens=not getattr(tokenizer, "chat_template", None)).input_ids for p in prompts]
     n_cut = sum(len(x) > max_prompt_len for x in ids)
     ids = [x[-max_prompt_len:] for x in ids]
-    width = -(-max(len(x) for x in ids) // pad_to_multiple_of) * pad_to_multiple_of
+    width = max(len(x) for x in ids)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
     attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
@@ -514,6 +513,10 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
                               eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                               cache_implementation="static" if static_cache else None,
                               compile_config=compile_config)
+    if static_cache:  # the compiled decode is specialized to the cache's shape: widths in steps of 64, not 1
+        pad = -input_ids.shape[1] % 64
+        input_ids = torch.nn.functional.pad(input_ids, (pad, 0), value=tokenizer.pad_token_id)
+        attention_mask = torch.nn.functional.pad(attention_mask, (pad, 0), value=0)
     was_training, checkpoint_config = policy.training, policy.generation_config
     policy.eval()
     policy.generation_config = GenerationConfig()  # generate() fills unset fields from this: library defaults only
@@ -873,12 +876,10 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
     correct = 0.0
     for s in range(0, len(mine), batch):
         rows = mine[s:s + batch]
-        static = use_static_cache(args, device)
-        ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device,
-                                      pad_to_multiple_of=64 if static else 1)
+        ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device)
         with autocast(args, device):
             comp, mask, _ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len, do_sample=False,
-                                    static_cache=static)
+                                    static_cache=use_static_cache(args, device))
         texts = decode_completions(tokenizer, comp, mask)
         correct += sum(score(t, r) for t, r in zip(texts, rows))
     c, n = world_sum(correct, len(mine), device=device)
@@ -1006,13 +1007,13 @@ def shard_fsdp(model, args, world):
     return model
 
 
-def full_state_dict(model):
-    """The whole model's parameters as plain tensors (under FSDP gathered from every rank; on CPU memory)."""
+def full_state_dict(model, every_rank=False):
+    """The whole model's parameters as plain tensors. Under FSDP a collective that gathers them from every
+    rank: to rank 0 alone, in CPU memory (for saving), or to every rank where they are (every_rank)."""
     if not is_fsdp(model):
         return unwrap(model).state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                broadcast_from_rank0=False))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not every_rank))
 
 
 def frozen_copy(policy, dtype):
@@ -1022,8 +1023,7 @@ def frozen_copy(policy, dtype):
     if not is_fsdp(policy):
         return copy.deepcopy(policy).eval().requires_grad_(False).to(dtype)
     from transformers import AutoModelForCausalLM
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))  # every rank: the whole
+    full = full_state_dict(policy, every_rank=True)
     ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
     disable_dropout(ref)
     ref.load_state_dict(full)
@@ -1082,19 +1082,18 @@ def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, we
     Updates `state` in place and returns the step's metrics (world averages)."""
     t0, G, policy = time.time(), args.num_generations, unwrap(model)
     reset_peak_memory(device)
-    static = use_static_cache(args, device)
     # 1. prompts: each repeated G times so a group is contiguous; left-padded, left-truncated
     rows = [r for r in rows for _ in range(G)]
     prompts = [r["prompt"] for r in rows]
-    prompt_ids, prompt_mask, n_cut = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device,
-                                                      pad_to_multiple_of=64 if static else 1)
+    prompt_ids, prompt_mask, n_cut = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
 
     # 2. rollout on the unwrapped policy, no graph: m = 1 up to and including the first EOS
     t_gen = time.time()
     with autocast(args, device):
         completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
                                                   max_gen_len=args.max_gen_len, temperature=args.temperature,
-                                                  top_p=args.top_p, top_k=args.top_k, static_cache=static)
+                                                  top_p=args.top_p, top_k=args.top_k,
+                                                  static_cache=use_static_cache(args, device))
     gen_time = time.time() - t_gen                                                # completion_ids [rows, T]
 
     # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i)
