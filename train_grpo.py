@@ -59,10 +59,13 @@ class Args:
     use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint is MoE)",
                        choices=(0, 1))
     rollout_engine: str = opt("torch", "how completions are sampled; only 'torch' (model.generate) exists")
-    model_name_or_path: str = opt("", "hub name or local dir for from_pretrained; empty: build a tiny model")
-    dataset: str = opt("", "gsm8k, a hub dataset, or a .jsonl/.json/.parquet file; empty: built-in task")
-    question_field: str = opt("question", "dataset field of a question (sent with GSM8K's system prompt); "
-                                          "without it, a 'prompt' field (text, or chat messages) is used as is")
+    model_name_or_path: str = opt("", "hub name, local dir, or a .gguf file for from_pretrained; empty: build "
+                                      "a tiny model")
+    dataset: str = opt("", "compare_numbers (built-in task for real instruct models), gsm8k, a hub dataset, "
+                           "or a .jsonl/.json/.parquet file; empty: the built-in reversal task")
+    question_field: str = opt("question", "dataset field of a question, sent with GSM8K's system prompt (it wins "
+                                          "over a 'prompt' field); without it, a 'prompt' field (text, or chat "
+                                          "messages) is used as is")
     answer_field: str = opt("answer", "dataset field holding the reference answer (optional with 'prompt')")
     reward_funcs: str = opt("", "comma-separated reward functions, file.py:name or a train_grpo name, each "
                                 "f(completion, **row) -> float; empty: the task's own")
@@ -145,12 +148,23 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def parse_args(argv=None):
+def build_parser(defaults=True):
     parser = OneLineParser(description="GRPO trainer: one file, every formula tested (see README.md)")
     for f in dataclasses.fields(Args):
-        parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default,
+        parser.add_argument(f"--{f.name}", type=type(f.default),
+                            default=f.default if defaults else argparse.SUPPRESS,
                             choices=f.metadata.get("choices"), help=f.metadata["help"])
-    args = Args(**vars(parser.parse_args(argv)))
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    values = vars(parser.parse_args(argv))
+    given = vars(build_parser(defaults=False).parse_args(argv))  # only the flags on the command line
+    for name, value in TASK_DEFAULTS.get(values["dataset"], {}).items():  # a task's own sizes, unless given
+        if name not in given:
+            values[name] = value
+    args = Args(**values)
     for problem in check_args(args):
         parser.error(problem)
     if args.epsilon_high == -1.0:
@@ -189,6 +203,8 @@ def check_args(args):
         (a.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA GPU is visible"),
         (a.dataset or not a.model_name_or_path, "--model_name_or_path needs --dataset (the built-in task "
                                                 "uses its own tiny tokenizer)"),
+        (a.model_name_or_path or not a.dataset, f"--dataset {a.dataset} needs --model_name_or_path (the built-in "
+                                                "tiny model knows only the reversal task's characters)"),
         (not os.path.isfile(a.save_dir), f"--save_dir {a.save_dir} is a file, not a directory"),
         (a.resume in ("", "auto") or os.path.isdir(a.resume), f"--resume {a.resume}: no such checkpoint "
                                                                "directory"),
@@ -200,7 +216,7 @@ def check_args(args):
         except ValueError:
             yield f"--reward_weights {a.reward_weights!r}: expected comma-separated numbers such as 1,0.1"
             return
-        names = a.reward_funcs.split(",") if a.reward_funcs else [f.__name__ for f in task_rewards(a)]
+        names = a.reward_funcs.split(",") if a.reward_funcs else [f.__name__ for f in task_rewards(a)[0]]
         if len(weights) != len(names) or not all(map(math.isfinite, weights)):
             yield (f"--reward_weights has {len(weights)} value(s) for {len(names)} reward function(s) "
                    f"({', '.join(names)}), each finite")
@@ -217,7 +233,14 @@ def check_paths(a):
     """A local model dir must hold a config and weights; a local dataset must be a file."""
     path = os.path.expanduser(a.model_name_or_path)
     looks_local = a.model_name_or_path.startswith((".", "/", "~")) or os.path.exists(path)
-    if a.model_name_or_path and looks_local:
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            yield f"--model_name_or_path {a.model_name_or_path}: no such file"
+        for package in ("gguf", "accelerate"):  # transformers reads GGUF through both
+            if importlib.util.find_spec(package) is None:
+                yield (f"--model_name_or_path {a.model_name_or_path}: reading a GGUF file needs the {package} "
+                       f"package (pip install gguf accelerate)")
+    elif a.model_name_or_path and looks_local:
         if not os.path.isdir(path):
             yield f"--model_name_or_path {a.model_name_or_path}: no such directory"
         elif not os.path.isfile(os.path.join(path, "config.json")):
@@ -318,7 +341,7 @@ def extract_final_answer(completion):
 
 def gsm8k_reference(answer):
     """GSM8K's worked answer ends with '#### N'; a bare number is accepted too."""
-    return parse_number(answer.split("####")[-1])
+    return parse_number(str(answer).split("####")[-1])
 
 
 def gsm8k_correct_reward(completion, answer):
@@ -336,9 +359,47 @@ def gsm8k_correct(completion, answer):
     return gsm8k_correct_reward(completion, answer) == 1.0
 
 
+# compare_numbers: the built-in task for a real instruct model ("--dataset compare_numbers"). A chat prompt
+# asks which of two 2-digit numbers is larger and for the number alone. SmolLM2-135M-Instruct answers the
+# question in prose or gets it wrong (greedy: ~8% correct), yet one of 8 samples is right for ~65% of the
+# prompts: the groups carry signal, and GRPO turns it into a short, right answer. The held-out split holds
+# pairs never trained on.
+COMPARE_NUMBERS = "compare_numbers"
+
+
+def make_compare_task(eval_size, seed=1234):
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
+    rng.shuffle(pairs)
+    rows = [{"prompt": [{"role": "user", "content": f"Which number is larger, {a} or {b}? Answer with the "
+                                                    "number only."}], "answer": max(a, b)} for a, b in pairs]
+    return rows[eval_size:], rows[:eval_size]
+
+
+def compare_correct_reward(completion, answer):
+    # 1.0 if the first number in the completion is the larger one ("43 is larger than 15": 43), else 0.0
+    first = re.search(r"-?\d+", completion)
+    return float(first is not None and int(first.group()) == int(answer))
+
+
+def compare_format_reward(completion):
+    # 1.0 if the completion is a number alone ("43" or "43."), as the prompt asks, else 0.0
+    return float(re.fullmatch(r"\s*-?\d+\.?\s*", completion) is not None)
+
+
+# defaults sized for compare_numbers on a 2-core CPU (a flag given on the command line wins)
+TASK_DEFAULTS = {COMPARE_NUMBERS: dict(batch_size=4, num_generations=8, max_gen_len=8, max_prompt_len=128,
+                                       learning_rate=2e-5, max_steps=40, eval_interval=10, eval_size=200)}
+
+
 def task_rewards(args):
-    """The reward functions of the task: the built-in reversal, or GSM8K's answer + format."""
-    return [gsm8k_correct_reward, gsm8k_format_reward] if args.dataset else [reverse_reward]
+    """The reward functions of the task and their default weights: the built-in reversal; compare_numbers'
+    answer + format; GSM8K's answer + format."""
+    if not args.dataset:
+        return [reverse_reward], [1.0]
+    if args.dataset == COMPARE_NUMBERS:
+        return [compare_correct_reward, compare_format_reward], [1.0, 0.5]
+    return [gsm8k_correct_reward, gsm8k_format_reward], [1.0, 0.1]
 
 
 def load_reward_funcs(spec):
@@ -380,6 +441,8 @@ def load_rows(args):
     """Local .jsonl/.json/.parquet or a hub dataset through `datasets.load_dataset`: (train, eval) rows."""
     import datasets
     name = args.dataset
+    if name == COMPARE_NUMBERS:
+        return make_compare_task(args.eval_size)
     local = name.endswith((".jsonl", ".json", ".parquet")) or name.startswith((".", "/", "~"))
     if local:
         path = os.path.expanduser(name)
@@ -410,8 +473,10 @@ def load_rows(args):
     if len(train) == 0:
         raise TrainerError(f"--dataset {name}: the dataset is empty")
     rows = [dict(r) for r in train]
-    if "test" in splits:
+    if "train" in splits and "test" in splits:
         return rows, [dict(r) for r in splits["test"]][:args.eval_size]
+    # one split only (a file, or a test-only set): hold out its first rows, at most a tenth, and never train on
+    # them
     n_eval = min(args.eval_size, len(rows) // 10) if len(rows) >= 10 else 0
     return rows[n_eval:], rows[:n_eval]
 
@@ -487,9 +552,18 @@ def autocast(args, device):
 # ----------------------------------------------------------------------------------------------------
 # Rollout (step 2): sample on the *unwrapped* module, in eval mode, without a graph.
 # ----------------------------------------------------------------------------------------------------
+def eos_token_ids(model, tokenizer):
+    """Every id that ends a completion: the tokenizer's EOS and those the checkpoint's generation config declares
+    (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama-3-Instruct: three ids)."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    declared = declared if isinstance(declared, (list, tuple)) else [declared]
+    return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
+
+
 def completion_mask(completion_ids, eos_token_id):
-    # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after
-    is_eos = completion_ids == eos_token_id                                        # [rows, T]
+    # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after; eos_token_id:
+    # one id or a list (any of them ends the completion)
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_id, device=completion_ids.device))  # [rows, T]
     T = completion_ids.shape[1]
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
     positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
@@ -507,10 +581,11 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     static_cache: a fixed-size KV cache, whose decode step transformers compiles on CUDA (compile_config
     overrides how). The compiled step reads the parameters as inputs, so it sees every update."""
     from transformers import GenerationConfig
+    eos = eos_token_ids(policy, tokenizer)  # stop on, and mask after, every EOS the checkpoint declares
     config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample,
                               temperature=temperature if do_sample else 1.0, top_p=top_p if do_sample else 1.0,
                               top_k=top_k if do_sample else 0, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=eos, bos_token_id=tokenizer.bos_token_id,
                               cache_implementation="static" if static_cache else None,
                               compile_config=compile_config)
     if static_cache:  # the compiled decode is specialized to the cache's shape: widths in steps of 64, not 1
@@ -527,7 +602,7 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
         policy.generation_config = checkpoint_config
         policy.train(was_training)
     completion_ids = out[:, input_ids.shape[1]:]                                  # [rows, T <= max_gen_len]
-    mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
+    mask, truncated = completion_mask(completion_ids, eos)
     return completion_ids, mask, truncated
 
 
@@ -540,18 +615,19 @@ def decode_completions(tokenizer, completion_ids, mask):
 # Reward and advantage (steps 3-4)
 # ----------------------------------------------------------------------------------------------------
 def compute_rewards(reward_fns, weights, completions, rows):
-    # r_i = sum_k w_k * reward_k(o_i, **row_i); a reward that raises or is not a number names the sample
+    # r_i = sum_k w_k * reward_k(o_i, **row_i); a reward that raises or is not a finite number names the sample
     rewards = torch.zeros(len(completions))
     for fn, w in zip(reward_fns, weights):
         for i, (c, row) in enumerate(zip(completions, rows)):
+            where = f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {c[:60]!r})"
             try:
                 value = call_reward(fn, c, row)
-                if value is None or isinstance(value, (str, bytes)):
-                    raise TypeError(f"returned {value!r:.40}, not a number")
-                rewards[i] += w * float(value)
+                value = float(value) if not isinstance(value, (str, bytes)) else None
             except Exception as e:
-                raise TrainerError(f"reward {fn.__name__} raised on sample {i} (prompt {row['prompt'][-60:]!r}, "
-                                   f"completion {c[:60]!r}): {type(e).__name__}: {e}") from None
+                raise TrainerError(f"reward {fn.__name__} raised {where}: {type(e).__name__}: {e}") from None
+            if value is None or not math.isfinite(value):
+                raise TrainerError(f"reward {fn.__name__} returned {value}, not a finite number, {where}")
+            rewards[i] += w * value
     return rewards
 
 
@@ -741,7 +817,8 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
-        stats["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
+        stats["kl_sum"] = (kl * mask).sum().detach()                              # logged: a sum and a count
+        stats["kl"] = stats["kl_sum"] / mask.sum().clamp(min=1)
     if entropy is not None and entropy_coef != 0.0:
         per_token = per_token - entropy_coef * entropy                            # loss <- loss - alpha * H
     loss = aggregate(per_token, mask, **norm)
@@ -768,6 +845,14 @@ def world_std(values, device="cpu"):
     # unbiased std over all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in float64
     s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(), device=device)
     return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
+
+
+def world_max(value, device="cpu"):
+    """The largest of each rank's value (identity in a single process)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def world_sum(*values, device="cpu"):
@@ -874,9 +959,13 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
     """Mean of score(greedy completion, row) over the held-out rows, all ranks together."""
     mine = eval_rows[rank::world]
     correct = 0.0
-    for s in range(0, len(mine), batch):
-        rows = mine[s:s + batch]
-        ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device)
+    # a world decision: every rank runs as many rollouts as the busiest one (under FSDP each rollout gathers
+    # the weights, a collective); a rank out of rows generates for a stand-in prompt and scores nothing
+    n_batches = int(world_max(math.ceil(len(mine) / batch), device=device))
+    for b in range(n_batches):
+        rows = mine[b * batch:(b + 1) * batch]
+        prompts = [r["prompt"] for r in rows] or [eval_rows[0]["prompt"]]
+        ids, am, _ = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
         with autocast(args, device):
             comp, mask, _ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len, do_sample=False,
                                     static_cache=use_static_cache(args, device))
@@ -936,11 +1025,18 @@ def load_model_and_tokenizer(args, device):
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         name, remote = args.model_name_or_path, bool(args.trust_remote_code)
+        where, gguf = name, {}
+        if name.endswith(".gguf"):  # transformers reads weights, tokenizer and chat template from the file
+            where, file = os.path.split(os.path.abspath(os.path.expanduser(name)))
+            gguf = {"gguf_file": file}
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, trust_remote_code=remote)
+            tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=remote, **gguf)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, trust_remote_code=remote,
+                                                         **gguf)
         except Exception as e:  # missing files, offline hub, unknown architecture: one line
             raise TrainerError(f"--model_name_or_path {name}: {one_line(e)}") from None
+        if gguf:
+            model = plain_model(model)
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -956,6 +1052,27 @@ def load_model_and_tokenizer(args, device):
     return model, tokenizer
 
 
+def plain_model(model):
+    """A model read from GGUF holds plain fp32 weights (dequantized on load) but keeps the GGUF quantizer's
+    mark, and save_pretrained refuses it. Rebuilt from its config without the mark, it saves (and checkpoints)
+    as a plain safetensors folder that plain transformers loads."""
+    from transformers import AutoModelForCausalLM
+    config = model.config
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    return plain
+
+
+def answer_from(fn, field):
+    """fn(completion, answer) reading its answer from the row's `field` column."""
+    def reward(completion, **row):
+        return fn(completion, answer=row[field])
+    reward.__name__ = fn.__name__
+    return reward
+
+
 def load_task(args, tokenizer, world):
     """Train rows, eval rows (dicts: 'prompt', the rendered text, plus every column of the dataset), reward
     functions, their weights, and the held-out score: its name and score(completion, row) -> float."""
@@ -963,20 +1080,29 @@ def load_task(args, tokenizer, world):
         train_rows, eval_rows = make_reverse_task(args.eval_size)
         is_correct = reverse_correct
     else:
-        train_rows, eval_rows = ([{**r, "prompt": render_prompt(tokenizer, r, args),
-                                   **({"answer": str(r[args.answer_field])} if args.answer_field in r else {})}
-                                  for r in rows] for rows in load_rows(args))
+        # every column reaches the rewards as the dataset has it (an int stays an int); 'prompt' becomes the text
+        # the model is given (a chat prompt rendered through the template)
+        train_rows, eval_rows = ([{**r, "prompt": render_prompt(tokenizer, r, args)} for r in rows]
+                                 for rows in load_rows(args))
         is_correct = gsm8k_correct
-    reward_fns = load_reward_funcs(args.reward_funcs) if args.reward_funcs else task_rewards(args)
-    weights = ([float(w) for w in args.reward_weights.split(",")] if args.reward_weights
-               else [1.0] + [0.1] * (len(reward_fns) - 1))
+    answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
+    if args.dataset == COMPARE_NUMBERS:
+        is_correct = lambda completion, answer: compare_correct_reward(completion, answer) == 1.0
+    reward_fns, weights = task_rewards(args)
+    if answer_key != "answer":  # the task's own rewards take `answer`: hand them --answer_field's column
+        reward_fns = [answer_from(fn, answer_key) for fn in reward_fns]
+    if args.reward_funcs:  # your own: weight 1.0 each unless --reward_weights says otherwise
+        reward_fns = load_reward_funcs(args.reward_funcs)
+        weights = [1.0] * len(reward_fns)
+    if args.reward_weights:
+        weights = [float(w) for w in args.reward_weights.split(",")]
     if len(train_rows) < args.batch_size * world:
         raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than batch_size * ranks = "
                            f"{args.batch_size * world}")
     if args.reward_funcs:  # your rewards: the held-out score is their weighted sum on greedy completions
         return train_rows, eval_rows, reward_fns, weights, ("eval_reward", lambda text, row: compute_rewards(
             reward_fns, weights, [text], [row])[0].item())
-    score = lambda text, row: float(is_correct(text, row["answer"]))
+    score = lambda text, row: float(is_correct(text, row[answer_key]))
     return train_rows, eval_rows, reward_fns, weights, ("eval_accuracy", score)
 
 
@@ -1017,17 +1143,32 @@ def full_state_dict(model, every_rank=False):
 
 
 def frozen_copy(policy, dtype):
-    """The reference model: a frozen copy of the policy as it is now, unsharded, in the compute dtype
-    (it takes no update and needs no optimizer state, so it costs 2 bytes per parameter in bf16)."""
+    """The reference model: a frozen copy of the policy as it is now, unsharded, that computes exactly what the
+    policy computes at equal weights. Under autocast the policy's Linear layers read a --dtype copy of their
+    fp32 weights; the reference stores just that copy (2 bytes per parameter in bf16) and keeps everything
+    else as the policy has it: embeddings (and an lm_head tied to them), norms, MoE expert tensors and buffers
+    such as RoPE's inv_freq stay fp32. Casting the whole copy instead (`.to(bf16)`) rounds inv_freq, the
+    residual stream and the norms: a reference that never existed, and KL != 0 at step 1. Under FSDP the
+    policy's parameters all arrive in --dtype (its MixedPrecisionPolicy), so the reference's all are."""
     import copy
     if not is_fsdp(policy):
-        return copy.deepcopy(policy).eval().requires_grad_(False).to(dtype)
-    from transformers import AutoModelForCausalLM
-    full = full_state_dict(policy, every_rank=True)
-    ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
-    disable_dropout(ref)
-    ref.load_state_dict(full)
-    return ref.eval().requires_grad_(False).to(dtype)
+        ref = copy.deepcopy(policy)
+    else:
+        from transformers import AutoModelForCausalLM
+        full = full_state_dict(policy, every_rank=True)
+        ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
+        disable_dropout(ref)
+        ref.load_state_dict(full)
+    ref.eval().requires_grad_(False)
+    if is_fsdp(policy):  # FSDP's mixed precision gathers every parameter in --dtype (buffers stay fp32)
+        for p in ref.parameters():
+            p.data = p.data.to(dtype)
+        return ref
+    embedding = ref.get_input_embeddings().weight
+    for module in ref.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight is not embedding:  # a tied head stays fp32
+            module.to(dtype)
+    return ref
 
 
 def lr_factor(step, *, warmup_steps, max_steps, schedule):
@@ -1138,12 +1279,13 @@ def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, we
     r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut = world_sum(
         rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(), mask.sum(1).float().mean(),
         truncated.float().mean(), (rewards.view(-1, G).std(1) == 0).float().mean(), sums["loss"],
-        sums["policy_loss"], sums["kl"], sums["clip"], sums["aux"], n_cut // G, device=device)
+        sums["policy_loss"], sums["kl_sum"], sums["clip"], sums["aux"], n_cut // G, device=device)
     state.truncated_prompts += int(cut)
     dt = time.time() - t0
     record = {"reward": r_mean / world, "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
               "frac_reward_zero_std": zero_std / world, "advantage_std": math.sqrt(adv_sq / world),
-              "loss": loss / world, "policy_loss": pl / world, "kl": kl / world, "entropy": state.world_entropy,
+              "loss": loss / world, "policy_loss": pl / world, "kl": kl / max(num_items, 1.0),  # masked mean
+              "entropy": state.world_entropy,
               "entropy_coef": state.entropy_coef, "entropy_coef_applied": coef_used, "clip_ratio": clip / world,
               "completion_len": c_len / world, "truncated_frac": trunc / world, "grad_norm": grad_norm.item(),
               "step_time": dt, "generate_time": gen_time, "generate_share": gen_time / dt,
@@ -1158,10 +1300,12 @@ def accumulate_gradients(model, batch, args, entropy_coef, world):
     """Steps 7-12 over S micro-batches: current log-probs through `model` (the DDP wrapper), the loss,
     backward. Gradients add up over micro-batches; DDP all-reduces them on the last one only."""
     rows, width = batch["input_ids"].shape
-    micro = args.micro_batch_size or auto_micro_batch(rows, width, args)
+    # a world decision: every rank runs the same number of micro-steps (FSDP gathers in each one's forward)
+    micro = args.micro_batch_size or auto_micro_batch(rows, world_max(width, device=batch["input_ids"].device),
+                                                      args)
     S = rows // micro                                                             # accumulation micro-steps
     T = batch["mask"].shape[1]
-    sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip": 0.0, "aux": 0.0, "entropy_sum": 0.0}
+    sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0, "entropy_sum": 0.0}
     for m in range(S):
         sl = slice(m * micro, (m + 1) * micro)
         if isinstance(model, DDP):
@@ -1187,7 +1331,7 @@ def accumulate_gradients(model, batch, args, entropy_coef, world):
         loss.backward()
         sums["loss"] += loss.item()
         sums["policy_loss"] += stats["policy_loss"].item()
-        sums["kl"] += stats.get("kl", torch.tensor(0.0)).item() / S
+        sums["kl_sum"] += stats.get("kl_sum", torch.tensor(0.0)).item()
         sums["clip"] += stats["clip_ratio"].item() / S
         sums["entropy_sum"] += (entropy.detach() * batch["mask"][sl]).sum().item()
     return sums
@@ -1277,19 +1421,27 @@ def log_metrics(metrics_path, record, rank, report=None):
             report(record)
 
 
-def open_report(args, rank):
+def open_report(args, rank, resumed_at=None):
     """--report_to: (send(record), close()) for wandb or TensorBoard on rank 0, else (None, None). Imported
-    only when asked: neither package is a requirement of the trainer."""
+    only when asked: neither package is a requirement of the trainer. A resumed run continues the same run:
+    TensorBoard purges the points logged after the checkpoint; wandb reopens the run by the id kept in
+    save_dir (it keeps the points it already holds: wandb refuses to log a step twice)."""
     if args.report_to == "none" or rank != 0:
         return None, None
     name = args.run_name or os.path.basename(os.path.normpath(args.save_dir))
     if args.report_to == "wandb":
         import wandb
-        run = wandb.init(project="train_grpo", name=name, dir=args.save_dir, config=dataclasses.asdict(args))
+        id_file = os.path.join(args.save_dir, "wandb_run_id")
+        if resumed_at is None or not os.path.isfile(id_file):
+            with open(id_file, "w") as f:
+                f.write(wandb.util.generate_id())
+        run = wandb.init(project="train_grpo", name=name, dir=args.save_dir, config=dataclasses.asdict(args),
+                         id=open(id_file).read().strip(), resume="allow")
         return (lambda record: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]),
                 run.finish)
     from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(os.path.join(args.save_dir, "tensorboard", name))
+    writer = SummaryWriter(os.path.join(args.save_dir, "tensorboard", name),
+                           purge_step=None if resumed_at is None else resumed_at + 1)
 
     def send(record):
         for k, v in record.items():
@@ -1367,6 +1519,8 @@ def train(args, rank, world, device):
     # --- model, data, DDP, reference, optimizer ---
     policy, tokenizer = load_model_and_tokenizer(args, device)
     train_rows, eval_rows, reward_fns, weights, (eval_key, score) = load_task(args, tokenizer, world)
+    if master:
+        print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never trained on")
     sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
     model = (shard_fsdp(policy, args, world) if args.fsdp else wrap_ddp(policy, device)) if world > 1 else policy
@@ -1382,11 +1536,12 @@ def train(args, rank, world, device):
     if master:
         os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
-    report, close_report = open_report(args, rank)
     ckpt = find_checkpoint(args.save_dir) if args.resume == "auto" else (args.resume or None)
     if ckpt:
         state = resume(args, ckpt, policy, optimizer, scheduler, rank, metrics_path)
+        report, close_report = open_report(args, rank, resumed_at=state.step)
     else:
+        report, close_report = open_report(args, rank)
         state = TrainState(entropy_coef=args.entropy_coef, entropy_coef_applied=args.entropy_coef)
         torch.manual_seed(args.seed + 1 + rank)  # ranks sample differently; RNG no longer depends on the warmup
         random.seed(args.seed + 1 + rank)

@@ -137,3 +137,44 @@ def train_and_capture(rank, world, runs, out_dir):
         torch.save({"grads": grads[0], "params": {k: v.clone() for k, v in full.items()}, "local": local,
                     "total": sum(p.numel() for p in model.parameters()), "root_calls": root_calls[0],
                     "fsdp": tg.is_fsdp(model)}, os.path.join(out_dir, f"{tag}_rank{rank}.pt"))
+
+
+def micro_batch_world(rank, world, out_dir):
+    """auto micro-batches on 2 ranks whose batches differ in width (50 vs 150 tokens): one count for both."""
+    dist.init_process_group("gloo")
+    args = tg.Args(model_name_or_path="a-real-model", micro_batch_tokens=200)
+    seen = []
+    real = tg.completion_logps
+
+    def count(model, input_ids, *a, **k):
+        seen.append(input_ids.shape[0])
+        return real(model, input_ids, *a, **k)
+    tg.completion_logps = count
+    model, tok = tiny()
+    width = [50, 150][rank]
+    ids = torch.randint(3, len(tok), (4, width))
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mask=torch.ones(4, 6),
+                 advantages=torch.zeros(4), old_logps=None, ref_logps=None, num_items=48.0)
+    tg.accumulate_gradients(DDP(model), batch, args, 0.0, world)
+    tg.completion_logps = real
+    torch.save(seen[0], os.path.join(out_dir, f"micro_{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def eval_uneven(rank, world, out_dir):
+    """evaluate() on 5 held-out rows, batches of 2: rank 0 holds 3 rows (2 batches), rank 1 holds 2 (1 batch).
+    The score of row i is i, so the world mean says whether each row was scored once."""
+    dist.init_process_group("gloo")
+    model, tok = tiny()
+    rows = [{"prompt": "abc=", "answer": "cba", "i": i} for i in range(5)]
+    scored = []
+
+    def score(text, row):
+        scored.append(row["i"])
+        return float(row["i"])
+    acc = tg.evaluate(model, tok, rows, score, tg.Args(max_gen_len=2), rank, world, "cpu", batch=2)
+    gathered = [None, None]
+    dist.all_gather_object(gathered, scored)
+    torch.save({"accuracy": acc, "scored": sorted(gathered[0] + gathered[1])},
+               os.path.join(out_dir, f"eval_{rank}.pt"))
+    dist.destroy_process_group()

@@ -12,7 +12,8 @@ import dist_workers
 from test_real_path import REAL, SAMPLE, load_final, save_tiny
 
 
-def rollout_with_scores(model, tok, generation_config, temperature, do_sample=True, seed=0):
+def rollout_with_scores(model, tok, generation_config, temperature, do_sample=True, seed=0, prompts=None,
+                        max_gen_len=6):
     """tg.rollout with generate's own processed scores captured (the trainer's config, plus output_scores)."""
     for k, v in generation_config.items():   # what a checkpoint's generation_config.json may carry
         setattr(model.generation_config, k, v)
@@ -25,10 +26,11 @@ def rollout_with_scores(model, tok, generation_config, temperature, do_sample=Tr
         return out.sequences
     model.generate = generate
     # prompts of different lengths: left padding, so the re-forward's position ids must be generate's
-    prompts = [p for p in ("abc=", "hgfedcba=", "ba=", "cabde=") for _ in range(4)]
-    ids, am, _ = tg.tokenize_prompts(tok, prompts, 64, "cpu")
+    prompts = [p for p in (prompts or ("abc=", "hgfedcba=", "ba=", "cabde=")) for _ in range(4)]
+    ids, am, _ = tg.tokenize_prompts(tok, prompts, 256, "cpu")
     torch.manual_seed(seed)
-    comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=6, do_sample=do_sample, temperature=temperature)
+    comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=max_gen_len, do_sample=do_sample,
+                               temperature=temperature)
     del model.generate
     return torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp, mask, captured["scores"]
 

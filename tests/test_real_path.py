@@ -216,14 +216,24 @@ def test_reward_that_raises_names_the_sample(tmp_path, monkeypatch):
         tg.main(FAST + ["--max_steps", "1", "--save_dir", str(tmp_path)])
 
 
+def test_reward_that_is_not_a_finite_number_names_the_function_and_sample(tmp_path, monkeypatch):
+    for bad_value, shown in ((float("nan"), "nan"), (float("inf"), "inf"), ("0.5", "None"), (None, "None")):
+        def bad(completion, answer, calls=[0]):
+            calls[0] += 1
+            return 0.5 if calls[0] != 3 else bad_value                       # the third sample is bad
+        monkeypatch.setattr(tg, "reverse_reward", bad)
+        with pytest.raises(tg.TrainerError, match=rf"^reward bad returned {shown}, not a finite number, on sample 2 "):
+            tg.main(FAST + ["--max_steps", "1", "--save_dir", str(tmp_path)])
+
+
 def test_non_finite_steps_are_skipped_then_stop_with_last_checkpoint_intact(tmp_path, monkeypatch):
     calls = [0]
-    real = tg.reverse_reward
+    real = tg.compute_advantages
 
-    def nan_after_two_steps(completion, answer):
+    def nan_after_two_steps(*a, **kw):  # a loss that is not finite from the third step on
         calls[0] += 1
-        return real(completion, answer) if calls[0] <= 2 * 16 else float("nan")
-    monkeypatch.setattr(tg, "reverse_reward", nan_after_two_steps)
+        return real(*a, **kw) * (1.0 if calls[0] <= 2 else float("nan"))
+    monkeypatch.setattr(tg, "compute_advantages", nan_after_two_steps)
     with pytest.raises(tg.TrainerError, match="not finite for 3 steps in a row"):
         tg.main(FAST + ["--max_steps", "8", "--save_interval", "1", "--save_dir", str(tmp_path)])
     rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]

@@ -1,0 +1,226 @@
+"""The paths a user takes with a real checkpoint and their own data: the bf16 reference, FSDP with uneven ranks,
+test-only datasets, rows as the dataset has them, reward weights, bad reward values, every EOS id, loggers
+after a resume, flag combinations that cannot work."""
+import json
+import math
+import subprocess
+
+import pytest
+import torch
+
+from helpers import FAST, run_cli, run_clis, spawn, tg, tiny
+import dist_workers
+from test_real_path import REAL, save_tiny
+
+BF16_KL = [*FAST, "--max_steps", "1", "--beta", "0.04", "--dtype", "bfloat16", "--sft_warmup_steps", "3"]
+
+
+# ---- 1. the reference computes what the policy computes ----
+def test_bf16_reference_is_the_starting_policy_at_step_1_single_ddp_and_fsdp(tmp_path):
+    one, ddp = run_clis([*BF16_KL, "--save_dir", tmp_path / "one"], [*BF16_KL, "--save_dir", tmp_path / "ddp"])
+    fsdp = run_cli(*BF16_KL, "--fsdp", "1", "--save_dir", tmp_path / "fsdp", nproc=2)
+    for res in (one, ddp, fsdp):
+        assert res.returncode == 0, res.stderr[-3000:]
+    for run in ("one", "ddp", "fsdp"):
+        row = json.loads(open(tmp_path / run / "metrics.jsonl").readline())
+        assert row["kl"] == 0.0, (run, row["kl"])
+
+
+def test_reference_keeps_fp32_where_the_policy_does_and_matches_its_log_probs():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    # head_dim 128 and rope_theta 1e6 as in Qwen: a bf16 inv_freq would turn position 1,000 by ~1 rad
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=1, num_key_value_heads=1, head_dim=128,
+                                         rope_theta=1e6, max_position_embeddings=2048, tie_word_embeddings=False))
+    ref = tg.frozen_copy(model, torch.bfloat16)
+    inv_freq = dict(ref.named_buffers())["model.rotary_emb.inv_freq"]
+    assert inv_freq.dtype == torch.float32
+    assert torch.equal(inv_freq, dict(model.named_buffers())["model.rotary_emb.inv_freq"])
+    assert ref.model.embed_tokens.weight.dtype == ref.model.norm.weight.dtype == torch.float32
+    assert ref.lm_head.weight.dtype == torch.bfloat16                       # what autocast reads: 2 bytes each
+    ids = torch.randint(0, 64, (2, 1100))
+    am = torch.ones_like(ids)
+    args = tg.Args(dtype="bfloat16")
+    with torch.no_grad(), tg.autocast(args, "cpu"):
+        want = tg.completion_logps(model, ids, am, 50)[0]
+        got = tg.completion_logps(ref, ids, am, 50)[0]
+    assert torch.equal(got, want)
+    # a tied head stays tied to its fp32 embedding
+    tied, _ = tiny()
+    ref = tg.frozen_copy(tied, torch.bfloat16)
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight and ref.lm_head.weight.dtype == torch.float32
+
+
+# ---- 2-3. FSDP: every collective the same number of times on every rank ----
+def test_fsdp_auto_micro_batches_with_prompts_of_different_widths_do_not_hang(tmp_path):
+    model_dir = save_tiny(tmp_path / "model")
+    rows = [{"prompt": "ab"}, {"prompt": "a much longer prompt than the other one, " * 3}]  # one per rank
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = tmp_path / "r.py"
+    reward.write_text("def length(completion, **row):\n    return float(len(completion))\n")
+    args = ["--model_name_or_path", model_dir, "--dataset", data, "--reward_funcs", f"{reward}:length",
+            "--batch_size", "1", "--num_generations", "4", "--max_gen_len", "4", "--micro_batch_tokens", "200",
+            "--max_steps", "2", "--eval_interval", "0", "--fsdp", "1", "--save_dir", tmp_path / "run"]
+    try:
+        res = run_cli(*args, nproc=2, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("ranks ran different numbers of micro-steps: FSDP's all-gathers no longer matched")
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_auto_micro_batch_is_one_decision_for_all_ranks(tmp_path):
+    spawn(dist_workers.micro_batch_world, str(tmp_path))
+    counts = [torch.load(tmp_path / f"micro_{r}.pt") for r in (0, 1)]
+    assert counts[0] == counts[1] == 1  # the wider rank's micro-batch (1 row of 150 tokens), on both
+
+
+@pytest.mark.parametrize("eval_size", [1, 3])  # fewer held-out rows than ranks; counts that straddle a batch
+def test_fsdp_eval_with_uneven_rows_per_rank_does_not_hang(tmp_path, eval_size):
+    try:
+        res = run_cli(*FAST, "--max_steps", "1", "--eval_interval", "1", "--eval_size", str(eval_size),
+                      "--fsdp", "1", "--save_dir", tmp_path, nproc=2, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a rank with no eval batch left never joined the others' all-gathers")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in rows if "eval_accuracy" in r)
+
+
+def test_eval_scores_each_held_out_row_once_whatever_the_ranks(tmp_path):
+    spawn(dist_workers.eval_uneven, str(tmp_path))
+    seen = [torch.load(tmp_path / f"eval_{r}.pt") for r in (0, 1)]
+    assert seen[0] == seen[1]                                                 # one world number
+    assert seen[0]["scored"] == sorted(range(5))                              # rows 0..4, once each
+    assert seen[0]["accuracy"] == pytest.approx(sum(range(5)) / 5)
+
+
+# ---- 4. held out means held out ----
+def test_a_test_only_dataset_is_split_disjointly(tmp_path):
+    import datasets
+    rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(40)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "test-00000-of-00001.parquet"))
+    train, held_out = tg.load_rows(tg.Args(dataset=str(tmp_path / "test-00000-of-00001.parquet"), eval_size=4,
+                                           model_name_or_path="m"))
+    # a test-only set through load_dataset's own split name
+    splits = datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+    real = datasets.load_dataset
+    try:
+        datasets.load_dataset = lambda *a, **k: splits
+        train2, held_out2 = tg.load_rows(tg.Args(dataset="someone/test-only", eval_size=4, model_name_or_path="m"))
+    finally:
+        datasets.load_dataset = real
+    for tr, ev in ((train, held_out), (train2, held_out2)):
+        questions = {r["question"] for r in tr}
+        assert len(ev) == 4 and len(tr) == 36 and not questions & {r["question"] for r in ev}
+
+
+# ---- 5-6. rows as the dataset has them; your rewards weigh 1.0 each ----
+def test_rows_reach_rewards_as_the_dataset_has_them_and_your_rewards_weigh_one_each(tmp_path):
+    model_dir = save_tiny(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": i, "gold": [i, "x"], "answer2": f"{i}"}) + "\n"
+                            for i in range(4)))
+    log = tmp_path / "calls.jsonl"
+    (tmp_path / "r.py").write_text(
+        "import json\n"
+        f"def seen(completion, **row):\n    open({str(log)!r}, 'a').write(json.dumps(\n"
+        "        {k: [type(v).__name__, v] for k, v in row.items()}) + '\\n')\n    return 1.0\n"
+        "def two(completion, **row):\n    return 2.0\n")
+    res = run_cli(*REAL, "--model_name_or_path", model_dir, "--dataset", data, "--answer_field", "answer2",
+                  "--reward_funcs", f"{tmp_path / 'r.py'}:seen,{tmp_path / 'r.py'}:two", "--max_steps", "1",
+                  "--save_dir", tmp_path / "run")
+    assert res.returncode == 0, res.stderr[-3000:]
+    calls = [json.loads(l) for l in open(log)]
+    assert calls and all(c["answer"][0] == "int" and c["gold"][0] == "list" and c["answer2"][0] == "str"
+                         for c in calls)
+    assert all(c["answer"][1] == int(c["answer2"][1]) for c in calls)  # --answer_field overwrote nothing
+    row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    assert row["reward"] == 1.0 * 1.0 + 1.0 * 2.0                    # weights 1.0 each, not [1, 0.1]
+
+
+def test_built_in_tasks_keep_their_own_weights():
+    assert tg.task_rewards(tg.Args())[1] == [1.0]
+    assert tg.task_rewards(tg.Args(dataset="gsm8k"))[1] == [1.0, 0.1]
+    assert tg.task_rewards(tg.Args(dataset="compare_numbers"))[1] == [1.0, 0.5]
+
+
+# ---- 8. every EOS id the checkpoint declares ----
+def test_generation_stops_and_the_mask_ends_on_every_declared_eos_id():
+    model, tok = tiny(seed=3)
+    prompts = ["abc=", "hgfedcba=", "ba=", "cabde="]
+    ids, am, _ = tg.tokenize_prompts(tok, prompts, 64, "cpu")
+    comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=8, do_sample=False)
+    # a token the greedy model emits mid-completion becomes a second EOS, declared only by the checkpoint
+    row = next(i for i in range(len(prompts)) if mask[i, 2] == 1 and comp[i, 2] != tok.eos_token_id)
+    other = comp[row, 2].item()
+    assert other != tok.eos_token_id
+    model.generation_config.eos_token_id = [tok.eos_token_id, other]
+    comp2, mask2, truncated2 = tg.rollout(model, ids, am, tok, max_gen_len=8, do_sample=False)
+    for i in range(len(prompts)):  # each row: the old tokens up to the first of either EOS, then nothing
+        ends = [t for t in range(comp.shape[1]) if comp[i, t].item() in (tok.eos_token_id, other)]
+        stop = ends[0] if ends else comp.shape[1] - 1
+        assert comp2[i, :stop + 1].tolist() == comp[i, :stop + 1].tolist()
+        assert mask2[i].tolist() == [1] * (stop + 1) + [0] * (comp2.shape[1] - stop - 1)
+        assert bool(truncated2[i]) == (not ends)
+    assert tg.eos_token_ids(model, tok) == sorted({tok.eos_token_id, other})
+
+
+# ---- 9. loggers after a resume ----
+def test_tensorboard_after_a_resume_holds_each_step_once_with_the_resumed_values(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+    common = [*FAST, "--max_steps", "4", "--report_to", "tensorboard", "--run_name", "tb", "--save_dir",
+              str(tmp_path)]
+    tg.main(common + ["--save_interval", "2", "--stop_after", "3"])              # crashed after step 3
+    tg.main(common + ["--resume", str(tmp_path / "checkpoint-2")])             # back to the checkpoint of step 2
+    logged = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard" / "tb"))
+    acc.Reload()
+    events = acc.Scalars("reward")
+    assert [e.step for e in events] == [1, 2, 3, 4]
+    assert [e.value for e in events] == pytest.approx([r["reward"] for r in logged], rel=1e-6)
+
+
+def test_wandb_resume_reopens_the_same_run(tmp_path, monkeypatch):
+    import glob
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    common = [*FAST, "--max_steps", "3", "--report_to", "wandb", "--save_dir", tmp_path]
+    assert run_cli(*common, "--stop_after", "2").returncode == 0
+    assert run_cli(*common, "--resume", "auto").returncode == 0
+    runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
+    assert len(runs) == 2 and len({r.rsplit("-", 1)[1] for r in runs}) == 1    # one run id, opened twice
+
+
+# ---- flags that cannot work together are refused before any work ----
+def test_built_in_model_with_a_dataset_is_refused(tmp_path):
+    from test_cli import one_line_error
+    line = one_line_error(run_cli("--dataset", "gsm8k", "--save_dir", tmp_path / "run"))
+    assert "--dataset gsm8k needs --model_name_or_path" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_logged_kl_is_the_masked_mean_over_all_tokens_not_a_mean_of_micro_batch_means(tmp_path):
+    # 2 micro-batches with different token counts: the mean of their means differs from the token mean
+    tg.main([*FAST, "--max_steps", "2", "--beta", "0.5", "--micro_batch_size", "8", "--learning_rate", "0.05",
+             "--save_dir", str(tmp_path)])
+    captured = {}
+    real = tg.grpo_loss
+
+    def spy(logps, old, A, mask, **kw):
+        loss, stats = real(logps, old, A, mask, **kw)
+        captured.setdefault("parts", []).append((stats["kl"].item(), mask.sum().item()))
+        return loss, stats
+    tg.grpo_loss = spy
+    try:
+        tg.main([*FAST, "--max_steps", "3", "--beta", "0.5", "--micro_batch_size", "8", "--learning_rate", "0.05",
+                 "--resume", str(tmp_path / "checkpoint-2"), "--save_dir", str(tmp_path)])
+    finally:
+        tg.grpo_loss = real
+    (m1, n1), (m2, n2) = captured["parts"]
+    row = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][-1]
+    assert n1 != n2 and m1 != m2
+    assert row["kl"] == pytest.approx((m1 * n1 + m2 * n2) / (n1 + n2), rel=1e-5)
+    assert abs(row["kl"] - (m1 + m2) / 2) > 1e-3 * abs(row["kl"])
