@@ -1434,7 +1434,7 @@ def open_report(args, rank, resumed_at=None):
         id_file = os.path.join(args.save_dir, "wandb_run_id")
         if resumed_at is None or not os.path.isfile(id_file):
             with open(id_file, "w") as f:
-                f.write(wandb.util.generate_id())
+                f.write(os.urandom(4).hex())  # not from the seeded RNGs: the run stays reproducible
         run = wandb.init(project="train_grpo", name=name, dir=args.save_dir, config=dataclasses.asdict(args),
                          id=open(id_file).read().strip(), resume="allow")
         return (lambda record: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]),
