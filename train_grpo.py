@@ -622,12 +622,13 @@ def compute_rewards(reward_fns, weights, completions, rows):
             where = f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {c[:60]!r})"
             try:
                 value = call_reward(fn, c, row)
-                value = float(value) if not isinstance(value, (str, bytes)) else None
             except Exception as e:
                 raise TrainerError(f"reward {fn.__name__} raised {where}: {type(e).__name__}: {e}") from None
-            if value is None or not math.isfinite(value):
-                raise TrainerError(f"reward {fn.__name__} returned {value}, not a finite number, {where}")
-            rewards[i] += w * value
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+                raise TrainerError(f"reward {fn.__name__} returned {value!r:.40}, not a number, {where}")
+            if not math.isfinite(float(value)):
+                raise TrainerError(f"reward {fn.__name__} returned {float(value)}, not a finite number, {where}")
+            rewards[i] += w * float(value)
     return rewards
 
 

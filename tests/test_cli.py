@@ -41,7 +41,7 @@ def one_line_error(res):
     (["--num_generations", "1"], "num_generations"),
     (["--batch_size", "0"], "batch_size"),
     (["--rollout_engine", "vllm"], "rollout_engine"),
-    (["--dataset", "no/such/file.jsonl"], "no such file"),
+    (["--model_name_or_path", "someone/model", "--dataset", "no/such/file.jsonl"], "no such file"),
     (["--resume", "no/such/checkpoint"], "no such checkpoint"),
 ])
 def test_bad_arguments_give_one_line(argv, words):

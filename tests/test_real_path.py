@@ -217,12 +217,13 @@ def test_reward_that_raises_names_the_sample(tmp_path, monkeypatch):
 
 
 def test_reward_that_is_not_a_finite_number_names_the_function_and_sample(tmp_path, monkeypatch):
-    for bad_value, shown in ((float("nan"), "nan"), (float("inf"), "inf"), ("0.5", "None"), (None, "None")):
+    for bad_value, shown in ((float("nan"), "nan, not a finite number"), (float("inf"), "inf, not a finite number"),
+                             ("0.5", "'0.5', not a number"), (None, "None, not a number")):
         def bad(completion, answer, calls=[0]):
             calls[0] += 1
             return 0.5 if calls[0] != 3 else bad_value                       # the third sample is bad
         monkeypatch.setattr(tg, "reverse_reward", bad)
-        with pytest.raises(tg.TrainerError, match=rf"^reward bad returned {shown}, not a finite number, on sample 2 "):
+        with pytest.raises(tg.TrainerError, match=rf"^reward bad returned {shown}, on sample 2 "):
             tg.main(FAST + ["--max_steps", "1", "--save_dir", str(tmp_path)])
 
 
