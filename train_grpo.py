@@ -10,6 +10,8 @@ The choices this trainer makes, in the order of one step (`grpo_step`, the READM
 
     python train_grpo.py                                        # offline: tiny model, built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo on CPU, nccl on GPU)
+    python train_grpo.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct --dataset compare_numbers
+    python train_grpo.py --model_name_or_path path/to/SmolLM2-135M-Instruct.Q4_1.gguf --dataset compare_numbers
     python train_grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset gsm8k
 
 Read it top to bottom beside notebook.ipynb; every formula has a test in tests/.
@@ -93,8 +95,9 @@ class Args:
                              choices=("group", "batch", "none"))
     # entropy (README: The math, steps 10-11)
     entropy_chunk_size: int = opt(128, "rows of logits per chunk when computing entropy")
-    logp_chunk_size: int = opt(1024, "tokens (rows x positions) per lm_head chunk for log-probs, recomputed in "
-                                     "backward: the largest logits tensor is this many x vocab")
+    logp_chunk_size: int = opt(0, "tokens (rows x positions) per lm_head chunk for log-probs, recomputed in "
+                                  "backward; 0: auto, as many as keep one chunk's fp32 logits within "
+                                  "LOGITS_BUDGET_MIB (64 MiB: 110 tokens at Qwen's 151,936-token vocabulary)")
     entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start value if adaptive")
     use_adaptive_entropy: int = opt(0, "1: adapt the coefficient toward --entropy_target (Skywork-OR1)",
                                     choices=(0, 1))
@@ -182,11 +185,11 @@ def check_args(args):
                                  f"{a.num_generations}"),
         *[(getattr(a, n) > 0, f"--{n} must be > 0, got {getattr(a, n)}")
           for n in ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
-                    "logp_chunk_size", "entropy_chunk_size", "learning_rate", "sft_learning_rate",
+                    "entropy_chunk_size", "learning_rate", "sft_learning_rate",
                     "micro_batch_tokens",
                     "temperature")],
         *[(getattr(a, n) >= 0, f"--{n} must be >= 0, got {getattr(a, n)}")
-          for n in ("micro_batch_size", "top_k", "beta", "weight_decay", "warmup_steps", "grad_clip",
+          for n in ("micro_batch_size", "logp_chunk_size", "top_k", "beta", "weight_decay", "warmup_steps", "grad_clip",
                     "sft_warmup_steps", "save_interval", "eval_interval", "eval_size", "stop_after",
                     "entropy_coef_delta", "entropy_coef_min", "entropy_target")],
         (not a.micro_batch_size or (a.batch_size * a.num_generations) % a.micro_batch_size == 0,
@@ -584,7 +587,7 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     eos = eos_token_ids(policy, tokenizer)  # stop on, and mask after, every EOS the checkpoint declares
     config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample,
                               temperature=temperature if do_sample else 1.0, top_p=top_p if do_sample else 1.0,
-                              top_k=top_k if do_sample else 0, pad_token_id=tokenizer.pad_token_id,
+                              top_k=top_k if do_sample else None, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=eos, bos_token_id=tokenizer.bos_token_id,
                               cache_implementation="static" if static_cache else None,
                               compile_config=compile_config)
@@ -729,11 +732,11 @@ def _chunk_logps_entropy(lm_head, hidden, targets, temperature, entropy_grad, en
 
 
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
-                     chunk_size=1024, entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
+                     chunk_size=0, entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
     """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states through lm_head
-    in chunks of chunk_size tokens, so [rows, T, V] logits never exist at once. Call it with the DDP-wrapped
-    model: its forward is what makes DDP all-reduce the gradients. Without grad (reference, old log-probs) it
-    runs the decoder alone, which keeps no layer's hidden states but the last.
+    in chunks of chunk_size tokens (0: auto_chunk_tokens(V)), so [rows, T, V] logits never exist at once.
+    Call it with the DDP-wrapped model: its forward is what makes DDP all-reduce the gradients. Without grad
+    (reference, old log-probs) it runs the decoder alone, which keeps no layer's hidden states but the last.
 
     Returns logps [rows, T], entropy [rows, T] (graph only if entropy_grad), router aux loss (MoE) or None."""
     T = num_completion_tokens
@@ -749,10 +752,21 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     hidden = hidden[:, -T - 1:-1, :]                                              # [rows, T, H]: state before token t
     targets = input_ids[:, -T:]                                                   # [rows, T]
     head = functools.partial(lm_logits, unwrap(model))                         # lm_head + the model's post-processing
+    chunk_size = chunk_size or auto_chunk_tokens(unwrap(model).get_output_embeddings().weight.shape[0])
     logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature,
                                    chunk_size=chunk_size, entropy_grad=entropy_grad,
                                    entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
     return logps, entropy, aux
+
+
+# The largest tensor of a step is one chunk's logits, [tokens, V]: bounded in bytes, it does not grow with the
+# vocabulary (a fixed token count would be 622 MB at 1,024 x 151,936 in fp32, 2.5x that with its gradient)
+LOGITS_BUDGET_MIB = 64
+
+
+def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
+    # tokens = budget / (V x 4 bytes of fp32 logits), at least 1
+    return max(1, budget_mib * 2**20 // (vocab_size * 4))
 
 
 def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, chunk_size=1024, entropy_grad=False,

@@ -30,11 +30,11 @@ CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build(path, small):
+def build(path, small, vocab_size=None):
     """A character tokenizer padded with filler tokens to the vocabulary size, and the model, saved to path."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, Regex
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    vocab_size = 4096 if small else 151936
+    vocab_size = vocab_size or (4096 if small else 151936)
     vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
     for c in "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,:;!?$%#+-*/=()'\"\n<>_":
         vocab.setdefault(c, len(vocab))

@@ -145,3 +145,27 @@ def test_two_ranks_hold_one_coefficient_from_world_sums(tmp_path):
         c_bad, _ = rule(c_bad, h_bad, 0.2, 0.001, 0.0, 0.004)
         differs |= c_bad != pytest.approx(s0["coef"])
     assert differs, "the data must tell a world mean from a mean of per-rank means"
+
+
+@pytest.mark.parametrize("vocab", [151_936, 2 * 151_936])  # Qwen's vocabulary, and twice it
+def test_largest_logits_tensor_stays_within_the_byte_budget_whatever_the_vocabulary(vocab):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                         tie_word_embeddings=True))
+    rows, T = 8, 64                                              # 512 completion tokens: more than one chunk
+    ids = torch.randint(0, vocab, (rows, 4 + T))
+    shapes = []
+    real = tg.lm_logits
+    tg.lm_logits = lambda m, h: shapes.append(h.shape[0]) or real(m, h)
+    try:
+        logps, _, _ = tg.completion_logps(model, ids, torch.ones_like(ids), T,
+                                          chunk_size=tg.Args().logp_chunk_size)   # the trainer's default: auto
+        (-logps.sum()).backward()
+    finally:
+        tg.lm_logits = real
+    budget = tg.LOGITS_BUDGET_MIB * 2**20
+    assert max(shapes) * vocab * 4 <= budget                     # fp32 logits of the largest chunk, in bytes
+    assert max(shapes) * vocab * 4 > budget - vocab * 4          # and the chunk is as large as the budget allows
+    assert sum(shapes) == 2 * rows * T                           # forward, and the recompute in backward

@@ -1,0 +1,257 @@
+"""Every flag is wired: one row per field of Args (a new field without a row fails the first test).
+
+A row says how the flag's effect is seen:
+  step(value, check)      one grpo_step of the built-in tiny model with the flag set, against the same step at
+                          the defaults; check(default_run, flagged_run) must hold (a metric, the sampled tokens,
+                          the update, the coefficient, a chunk's size...)
+  error(value, words)     the flag's bad value is refused before any work, naming the flag
+  elsewhere("file::test") a short step cannot show it; the named test does (it must exist)
+Flags that select (choices) have a row per choice where choices change the step.
+"""
+import ast
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from helpers import ROOT, tg, tiny
+
+
+# ---- one step, at the defaults or with flags set ----
+BASE = {"batch_size": 2, "num_generations": 4, "max_gen_len": 6, "sft_warmup_steps": 0, "eval_interval": 0,
+        "learning_rate": 1e-2}
+
+
+class Run:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def one_step(**flags):
+    """grpo_step of the trainer's own built-in model and task (load_model_and_tokenizer, load_task,
+    build_optimizer) on 2 fixed prompts; returns what it logged, the weight update, the sampled tokens, the
+    loop state, the norm of the gradient the optimizer applied, and what a few inner functions were given."""
+    settings = {**BASE, **flags}
+    args = tg.parse_args([a for k, v in settings.items() for a in (f"--{k}", str(v))])
+    torch.manual_seed(0)                      # fixed: --seed acts in train(), tested through main below
+    model, tok = tg.load_model_and_tokenizer(args, torch.device("cpu"))
+    train_rows, _, reward_fns, weights, _ = tg.load_task(args, tok, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = tg.frozen_copy(model, getattr(torch, args.dtype)) if args.beta > 0 else None
+    optimizer, scheduler = tg.build_optimizer(model, args)
+    applied = []                              # the norm of the gradient each optimizer step receives
+    optimizer.register_step_pre_hook(lambda *_: applied.append(
+        torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item()))
+    state = tg.TrainState(entropy_coef=args.entropy_coef, entropy_coef_applied=args.entropy_coef)
+    calls = {"rollout": [], "lm_logits": [], "entropy_chunk": [], "generate": []}
+    real_rollout, real_head, real_entropy = tg.rollout, tg.lm_logits, tg.entropy_from_logits
+    real_generate = model.generate
+
+    def rollout(*a, **k):
+        out = real_rollout(*a, **k)
+        calls["rollout"].append(out[0])
+        return out
+
+    def generate(**k):
+        calls["generate"].append(k["generation_config"])
+        return real_generate(**k)
+    tg.rollout = rollout
+    tg.lm_logits = lambda m, h: calls["lm_logits"].append(h.shape[0]) or real_head(m, h)
+    tg.entropy_from_logits = lambda z, chunk_size=128: calls["entropy_chunk"].append(chunk_size) or real_entropy(
+        z, chunk_size)
+    model.generate = generate
+    torch.manual_seed(1)
+    try:
+        record = tg.grpo_step(args, model, ref, optimizer, tok, train_rows[:args.batch_size], reward_fns, weights,
+                              state, 1, "cpu")
+    finally:
+        tg.rollout, tg.lm_logits, tg.entropy_from_logits = real_rollout, real_head, real_entropy
+    record["lr_now"] = optimizer.param_groups[0]["lr"]        # the rate this step used
+    scheduler.step()
+    record["lr_next"] = scheduler.get_last_lr()[0]
+    delta = {k: (v - before[k]) for k, v in model.state_dict().items()}
+    return Run(record=record, delta=delta, tokens=calls["rollout"][0], state=state, calls=calls, args=args,
+               applied_grad_norm=applied[-1], checkpointing=model.is_activation_checkpointing)
+
+
+_default = {}
+
+
+def default_run():
+    if not _default:
+        _default["run"] = one_step()
+    return _default["run"]
+
+
+def differs(key):
+    """check: the logged metric `key` is not the default run's."""
+    return lambda d, f: f.record[key] != d.record[key]
+
+
+def update_differs(d, f):
+    return any(not torch.equal(d.delta[k], f.delta[k]) for k in d.delta)
+
+
+def tokens_differ(d, f):
+    return d.tokens.shape != f.tokens.shape or not torch.equal(d.tokens, f.tokens)
+
+
+def step(value, check, **extra):
+    return ("step", value, check, extra)
+
+
+def error(value, words):
+    return ("error", value, words, {})
+
+
+def elsewhere(where):
+    return ("elsewhere", where, None, {})
+
+
+def tokens_shape(f):
+    return f.tokens.shape[1]
+
+
+FLAGS = {
+    # what to train
+    "loss_type": [step(choice, differs("loss")) for choice in ("bnpo", "dr_grpo", "dapo", "cispo")],
+    "use_moe": [step(1, lambda d, f: "aux_loss" in f.record and "aux_loss" not in d.record)],  # an MoE model
+    "rollout_engine": [error("vllm", "--rollout_engine")],
+    "model_name_or_path": [elsewhere("test_real_path.py::test_two_rank_run_on_saved_model_and_gsm8k_file"),
+                           elsewhere("test_smollm2.py::test_gguf_run_saves_plain_folders_learns_a_step_and_resumes_bitwise")],
+    "dataset": [elsewhere("test_real_path.py::test_two_rank_run_on_saved_model_and_gsm8k_file"),
+                elsewhere("test_smollm2.py::test_compare_numbers_has_its_own_defaults_and_a_given_flag_wins")],
+    "question_field": [elsewhere("test_real_path.py::test_parquet_with_other_field_names")],
+    "answer_field": [elsewhere("test_user_paths.py::test_rows_reach_rewards_as_the_dataset_has_them_and_your_rewards_weigh_one_each")],
+    "reward_funcs": [elsewhere("test_custom.py::test_reward_file_and_prompt_dataset_with_extra_columns")],
+    "reward_weights": [step("3", lambda d, f: f.record["reward"] == pytest.approx(3 * d.record["reward"]))],
+    "trust_remote_code": [elsewhere("test_flag_table.py::test_trust_remote_code_reaches_from_pretrained")],
+    # rollout
+    "num_generations": [step(2, lambda d, f: f.tokens.shape[0] == 2 * 2 and d.tokens.shape[0] == 2 * 4)],
+    "batch_size": [step(1, lambda d, f: f.tokens.shape[0] == 1 * 4)],
+    "micro_batch_size": [step(4, lambda d, f: len(f.calls["lm_logits"]) == 2 * len(d.calls["lm_logits"]))],
+    "micro_batch_tokens": [elsewhere("test_user_paths.py::test_auto_micro_batch_is_one_decision_for_all_ranks")],
+    "max_prompt_len": [step(3, lambda d, f: f.record["truncated_prompts"] == 2 and d.record["truncated_prompts"] == 0)],
+    "max_gen_len": [step(3, lambda d, f: tokens_shape(f) == 3 and tokens_shape(d) == 6)],
+    "temperature": [step(0.5, lambda d, f: f.record["entropy"] < d.record["entropy"])],
+    "top_p": [step(0.5, lambda d, f: f.calls["generate"][0].top_p == 0.5 and tokens_differ(d, f))],
+    "top_k": [step(1, lambda d, f: f.calls["generate"][0].top_k == 1 and tokens_differ(d, f))],
+    "mask_truncated_completions": [step(1, lambda d, f: d.record["truncated_frac"] > 0
+                                        and f.record["loss"] != d.record["loss"])],
+    # objective
+    "beta": [elsewhere("test_loop.py::test_kl_is_zero_at_step_1_then_positive_against_a_frozen_reference")],
+    "epsilon": [step(0.01, lambda d, f: f.record["clip_ratio"] > d.record["clip_ratio"], num_iterations=2,
+                     learning_rate=1e-3)],
+    "epsilon_high": [step(0.01, lambda d, f: f.record["clip_ratio"] > d.record["clip_ratio"], num_iterations=2,
+                          learning_rate=1e-3)],
+    "num_iterations": [step(2, update_differs)],
+    "scale_rewards": [step(choice, differs("advantage_std")) for choice in ("batch", "none")],
+    # entropy
+    "entropy_chunk_size": [step(5, lambda d, f: set(f.calls["entropy_chunk"]) == {5}
+                                and set(d.calls["entropy_chunk"]) == {128})],
+    "logp_chunk_size": [step(7, lambda d, f: max(f.calls["lm_logits"]) == 7 and max(d.calls["lm_logits"]) > 7)],
+    "entropy_coef": [step(0.5, lambda d, f: f.record["loss"] != d.record["loss"] and update_differs(d, f))],
+    "use_adaptive_entropy": [step(1, lambda d, f: f.state.entropy_coef != d.state.entropy_coef,
+                                  entropy_target=9.0)],
+    "entropy_target": [step(9.0, lambda d, f: f.state.entropy_coef > 0.002 > d.state.entropy_coef,
+                            use_adaptive_entropy=1, entropy_coef=0.002)],  # H ~2.4: below 9, above 0.2
+    "entropy_coef_delta": [step(1e-3, lambda d, f: f.state.entropy_coef == pytest.approx(1e-3),
+                                use_adaptive_entropy=1, entropy_target=9.0)],
+    "entropy_coef_min": [step(0.001, lambda d, f: f.state.entropy_coef == pytest.approx(0.001),
+                              use_adaptive_entropy=1, entropy_target=0.0)],
+    "entropy_coef_max": [step(5e-5, lambda d, f: f.state.entropy_coef == pytest.approx(5e-5),
+                              use_adaptive_entropy=1, entropy_target=9.0)],
+    # optimization
+    "max_steps": [step(4, lambda d, f: f.record["lr_next"] != d.record["lr_next"], lr_scheduler="cosine")],
+    "learning_rate": [step(1e-3, lambda d, f: f.record["lr_now"] == 1e-3 and update_differs(d, f))],
+    "weight_decay": [step(0.5, update_differs)],
+    "lr_scheduler": [step("cosine", lambda d, f: f.record["lr_next"] < d.record["lr_next"], max_steps=2)],
+    "warmup_steps": [step(3, lambda d, f: f.record["lr_now"] == pytest.approx(BASE["learning_rate"] / 4)
+                          and update_differs(d, f))],
+    "grad_clip": [step(1e-3, lambda d, f: f.applied_grad_norm == pytest.approx(1e-3, rel=1e-4)
+                       and d.applied_grad_norm > 1e-2)],
+    "gradient_checkpointing": [step(1, lambda d, f: f.checkpointing and not d.checkpointing)],
+    "sft_warmup_steps": [elsewhere("test_flag_table.py::test_sft_warmup_flags_change_the_warm_start")],
+    "sft_learning_rate": [elsewhere("test_flag_table.py::test_sft_warmup_flags_change_the_warm_start")],
+    # bookkeeping
+    "seed": [elsewhere("test_flag_table.py::test_seed_decides_the_run")],
+    "save_dir": [elsewhere("test_cli.py::test_short_run_writes_finite_metrics_and_a_loadable_model")],
+    "save_interval": [elsewhere("test_real_path.py::test_non_finite_steps_are_skipped_then_stop_with_last_checkpoint_intact")],
+    "resume": [elsewhere("test_real_path.py::test_resume_continues_exactly")],
+    "eval_interval": [elsewhere("test_custom.py::test_summary_line_and_eval_size_caps_a_test_split")],
+    "eval_size": [elsewhere("test_custom.py::test_summary_line_and_eval_size_caps_a_test_split")],
+    "dtype": [step("bfloat16", update_differs)],
+    "fsdp": [elsewhere("test_fsdp.py::test_fsdp_shards_and_the_loss_forward_goes_through_the_sharded_module")],
+    "rollout_cache": [step("static", lambda d, f: f.calls["generate"][0].cache_implementation == "static"
+                           and d.calls["generate"][0].cache_implementation is None)],
+    "device": [error("cuda", "--device cuda") if not torch.cuda.is_available() else
+               elsewhere("test_precision.py::test_static_cache_rollout_sees_the_weights_of_the_current_step")],
+    "stop_after": [elsewhere("test_real_path.py::test_resume_continues_exactly")],
+    "report_to": [elsewhere("test_custom.py::test_tensorboard_events_hold_the_logged_rewards"),
+                  elsewhere("test_custom.py::test_wandb_offline_run_holds_the_logged_rewards")],
+    "run_name": [elsewhere("test_custom.py::test_tensorboard_events_hold_the_logged_rewards")],
+}
+ROWS = [(name, i) for name, rows in FLAGS.items() for i in range(len(rows))]
+
+
+def test_every_args_field_has_a_row():
+    fields = [f.name for f in dataclasses.fields(tg.Args)]
+    assert sorted(FLAGS) == sorted(fields), (set(fields) ^ set(FLAGS))
+
+
+@pytest.mark.parametrize("name, i", ROWS)
+def test_flag(name, i, tmp_path):
+    kind, value, check, extra = FLAGS[name][i]
+    if kind == "elsewhere":
+        file, test = value.split("::")
+        tree = ast.parse(open(os.path.join(ROOT, "tests", file)).read())
+        assert test in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, value
+        return
+    if kind == "error":
+        from test_cli import one_line_error
+        from helpers import run_cli
+        line = one_line_error(run_cli(f"--{name}", value, "--save_dir", tmp_path / "run"))
+        assert check in line and not (tmp_path / "run").exists()
+        return
+    default = one_step(**extra) if extra else default_run()
+    flagged = one_step(**{**extra, name: value})
+    assert getattr(flagged.args, name) == type(getattr(default.args, name))(value)
+    assert check(default, flagged), f"--{name} {value} changed nothing it should"
+
+
+# ---- the rows that point here ----
+def test_trust_remote_code_reaches_from_pretrained(tmp_path, monkeypatch):
+    import transformers
+    seen = []
+    for cls in (transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(
+            lambda c, *a, **k: seen.append(k.get("trust_remote_code")) or (_ for _ in ()).throw(OSError("stop"))))
+    for flag in (0, 1):
+        args = tg.Args(model_name_or_path="someone/model", dataset="gsm8k", trust_remote_code=flag)
+        with pytest.raises(tg.TrainerError):
+            tg.load_model_and_tokenizer(args, torch.device("cpu"))
+    assert seen == [False, True]
+
+
+def test_sft_warmup_flags_change_the_warm_start(tmp_path):
+    def warm(**kw):
+        args = tg.Args(batch_size=4, max_prompt_len=64, **kw)
+        model, tok = tiny()
+        train_rows, _ = tg.make_reverse_task(16)
+        tg.sft_warmup(model, tok, train_rows, args, "cpu", 0, 1)
+        return model.state_dict()
+    start = tiny()[0].state_dict()
+    none, two, two_fast = warm(sft_warmup_steps=0), warm(sft_warmup_steps=2), warm(sft_warmup_steps=2,
+                                                                                 sft_learning_rate=1e-2)
+    assert all(torch.equal(none[k], start[k]) for k in start)
+    assert any(not torch.equal(two[k], start[k]) for k in start)
+    assert any(not torch.equal(two[k], two_fast[k]) for k in start)
+
+
+def test_seed_decides_the_run(tmp_path):
+    def run(seed, name):
+        tg.main(["--batch_size", "2", "--num_generations", "4", "--max_gen_len", "6", "--sft_warmup_steps", "2",
+                 "--eval_interval", "0", "--max_steps", "1", "--seed", str(seed), "--save_dir", str(tmp_path / name)])
+        return open(tmp_path / name / "metrics.jsonl").read().split('"step_time"')[0]
+    assert run(0, "a") == run(0, "b") != run(5, "c")
