@@ -66,7 +66,7 @@ def main():
         bench_step.build(path, small=True, vocab_size=vocab)
         results[vocab] = run("ours", path, extra)
         print(f"V = {vocab:,}: peak RSS {results[vocab]['peak_rss_mib']:,} MiB, {results[vocab]['s_per_step']} s/step, "
-              f"logits chunk {tg.auto_chunk_tokens(vocab)} tokens (auto)", flush=True)
+              f"logits chunk: {' '.join(extra) or f'{tg.auto_chunk_tokens(vocab)} tokens (auto)'}", flush=True)
     extra_params = V * H                                   # the tied embedding/head rows that doubling V adds
     allowed = extra_params * (4 + 4 + 8 + 4) / 2**20     # weight + grad + AdamW + fp32 reference, MiB
     grew = results[2 * V]["peak_rss_mib"] - results[V]["peak_rss_mib"]

@@ -10,7 +10,9 @@ Flags that select (choices) have a row per choice where choices change the step.
 """
 import ast
 import dataclasses
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -255,3 +257,33 @@ def test_seed_decides_the_run(tmp_path):
                  "--eval_interval", "0", "--max_steps", "1", "--seed", str(seed), "--save_dir", str(tmp_path / name)])
         return open(tmp_path / name / "metrics.jsonl").read().split('"step_time"')[0]
     assert run(0, "a") == run(0, "b") != run(5, "c")
+
+
+# ---- behaviours the README promises in words ----
+def test_held_out_evaluation_decodes_greedily():
+    model, tok = tiny(seed=2)
+    rows = [{"prompt": p, "answer": ""} for p in ("abc=", "hgfedcba=", "ba=", "cabde=")]
+    texts = []
+    tg.evaluate(model, tok, rows, lambda text, row: texts.append(text) or 0.0, tg.Args(max_gen_len=4), 0, 1, "cpu")
+    for row, text in zip(rows, texts):  # by hand: append the argmax token, one at a time, until EOS
+        ids = tok(row["prompt"], add_special_tokens=False, return_tensors="pt").input_ids
+        out = []
+        with torch.no_grad():
+            for _ in range(4):
+                nxt = model(ids).logits[0, -1].argmax().item()
+                if nxt == tok.eos_token_id:
+                    break
+                out.append(nxt)
+                ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+        assert text == tok.decode(out, skip_special_tokens=True)
+
+
+def test_progress_bar_shows_reward_eval_generate_share_and_memory(tmp_path, capsys):
+    tg.main(["--batch_size", "2", "--num_generations", "4", "--max_gen_len", "4", "--sft_warmup_steps", "0",
+             "--eval_interval", "1", "--eval_size", "4", "--max_steps", "1", "--save_dir", str(tmp_path)])
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    last = [line for line in bar if line.startswith("grpo:") and "1/1" in line][-1]
+    row = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][-1]
+    shown_eval = float(re.search(r"eval=([0-9.]+)", last).group(1))  # tqdm writes a float with 3 digits
+    assert f"reward={row['reward']:.3f}" in last and shown_eval == pytest.approx(row["eval_accuracy"], abs=5e-3)
+    assert f"gen={row['generate_share']:.0%}" in last and f"mem={row['peak_mem_gib']:.1f}G" in last
