@@ -385,6 +385,10 @@ def compare_correct_reward(completion, answer):
     return float(first is not None and int(first.group()) == int(answer))
 
 
+def compare_correct(completion, answer):
+    return compare_correct_reward(completion, answer) == 1.0
+
+
 def compare_format_reward(completion):
     # 1.0 if the completion is a number alone ("43" or "43."), as the prompt asks, else 0.0
     return float(re.fullmatch(r"\s*-?\d+\.?\s*", completion) is not None)
@@ -1099,10 +1103,8 @@ def load_task(args, tokenizer, world):
         # the model is given (a chat prompt rendered through the template)
         train_rows, eval_rows = ([{**r, "prompt": render_prompt(tokenizer, r, args)} for r in rows]
                                  for rows in load_rows(args))
-        is_correct = gsm8k_correct
+        is_correct = compare_correct if args.dataset == COMPARE_NUMBERS else gsm8k_correct
     answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
-    if args.dataset == COMPARE_NUMBERS:
-        is_correct = lambda completion, answer: compare_correct_reward(completion, answer) == 1.0
     reward_fns, weights = task_rewards(args)
     if answer_key != "answer":  # the task's own rewards take `answer`: hand them --answer_field's column
         reward_fns = [answer_from(fn, answer_key) for fn in reward_fns]
@@ -1167,23 +1169,20 @@ def frozen_copy(policy, dtype):
     policy's parameters all arrive in --dtype (its MixedPrecisionPolicy), so the reference's all are."""
     import copy
     if not is_fsdp(policy):
-        ref = copy.deepcopy(policy)
-    else:
-        from transformers import AutoModelForCausalLM
-        full = full_state_dict(policy, every_rank=True)
-        ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
-        disable_dropout(ref)
-        ref.load_state_dict(full)
-    ref.eval().requires_grad_(False)
-    if is_fsdp(policy):  # FSDP's mixed precision gathers every parameter in --dtype (buffers stay fp32)
-        for p in ref.parameters():
-            p.data = p.data.to(dtype)
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+        embedding = ref.get_input_embeddings().weight
+        for module in ref.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight is not embedding:  # a tied head stays fp32
+                module.to(dtype)
         return ref
-    embedding = ref.get_input_embeddings().weight
-    for module in ref.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight is not embedding:  # a tied head stays fp32
-            module.to(dtype)
-    return ref
+    from transformers import AutoModelForCausalLM
+    full = full_state_dict(policy, every_rank=True)
+    ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
+    disable_dropout(ref)
+    ref.load_state_dict(full)
+    for p in ref.parameters():  # FSDP's mixed precision gathers every parameter in --dtype (buffers stay fp32)
+        p.data = p.data.to(dtype)
+    return ref.eval().requires_grad_(False)
 
 
 def lr_factor(step, *, warmup_steps, max_steps, schedule):
