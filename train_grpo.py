@@ -86,6 +86,9 @@ class Args:
     top_k: int = opt(0, "top-k sampling; 0: off")
     mask_truncated_completions: int = opt(0, "1: completions that never emit EOS get a zero mask",
                                           choices=(0, 1))
+    sampling_replay: int = opt(1, "1: with --top_p < 1 or --top_k > 0 the trainer scores tokens under the "
+                                  "same truncation it sampled from (renormalized over the kept tokens); "
+                                  "0: under the full distribution", choices=(0, 1))
     # objective
     beta: float = opt(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
     epsilon: float = opt(0.2, "lower clip: ratio >= 1 - epsilon")
@@ -93,6 +96,11 @@ class Args:
     num_iterations: int = opt(1, "mu: updates per rollout; > 1 computes old log-probs once per rollout")
     scale_rewards: str = opt("group", "advantage divisor: group std, batch std or none",
                              choices=("group", "batch", "none"))
+    is_correction: str = opt("none", "sampler/trainer mismatch correction: tis weighs each token's policy "
+                                     "term by min(rho, is_cap), mis drops tokens with rho outside "
+                                     "[1/is_cap, is_cap]; rho = exp(trainer logp - sampler logp)",
+                             choices=("none", "tis", "mis"))
+    is_cap: float = opt(2.0, "C of --is_correction (> 1)")
     # entropy (README: The math, steps 10-11)
     entropy_chunk_size: int = opt(128, "rows of logits per chunk when computing entropy")
     logp_chunk_size: int = opt(0, "tokens (rows x positions) per lm_head chunk for log-probs, recomputed in "
@@ -199,6 +207,7 @@ def check_args(args):
         (a.epsilon_high >= 0 or a.epsilon_high == -1.0, f"--epsilon_high must be >= 0 (or -1: default), "
                                                         f"got {a.epsilon_high}"),
         (0 < a.top_p <= 1, f"--top_p must be in (0, 1], got {a.top_p}"),
+        (a.is_cap > 1, f"--is_cap must be > 1, got {a.is_cap}"),
         (a.entropy_coef_min <= a.entropy_coef_max, f"--entropy_coef_min {a.entropy_coef_min} must be <= "
                                                    f"--entropy_coef_max {a.entropy_coef_max}"),
         *[(math.isfinite(getattr(a, f.name)), f"--{f.name} must be a finite number, got {getattr(a, f.name)}")
@@ -577,22 +586,63 @@ def completion_mask(completion_ids, eos_token_id):
     return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)          # mask [rows, T], truncated [rows]
 
 
+def truncate_logits(z, top_k=0, top_p=1.0, keep=None):
+    """Top-k, then top-p, as generate applies them (its order, its ties): dropped tokens get -inf, so a softmax
+    renormalizes over the kept set. keep [N]: a token id per row that stays whatever (the sampled one).
+    z: [N, V] logits already divided by the temperature."""
+    if top_k <= 0 and top_p >= 1.0:
+        return z
+    drop = torch.zeros_like(z, dtype=torch.bool)                                  # [N, V]
+    if top_k > 0:  # keep the k largest (and any tied with the k-th)
+        drop |= z < torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
+    if top_p < 1.0:  # drop the least likely tokens while their total mass is <= 1 - top_p; the likeliest stays
+        sorted_z, order = torch.sort(z.masked_fill(drop, float("-inf")), dim=-1)  # ascending
+        sorted_drop = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
+        sorted_drop[:, -1] = False
+        drop |= sorted_drop.scatter(-1, order, sorted_drop)
+    if keep is not None:
+        drop.scatter_(-1, keep.reshape(-1, 1), False)
+    return z.masked_fill(drop, float("-inf"))
+
+
+class SamplerLogps:
+    """A logits processor for generate: it applies the sampling distribution itself (temperature, top-k, top-p:
+    generate's own are switched off) and keeps, for each sampled token, its log-prob under that distribution.
+    One [rows, V] step at a time: when generate asks for step t+1's scores, its input ends with the token it
+    drew at step t, which is gathered from step t's log-softmax; finish() does the last token."""
+    def __init__(self, temperature=1.0, top_k=0, top_p=1.0):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.previous, self.logps = None, []
+
+    def __call__(self, input_ids, scores):                                       # scores [rows, V]
+        if self.previous is not None:
+            self.logps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        scores = truncate_logits(scores.float() / self.temperature, self.top_k, self.top_p)
+        self.previous = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def finish(self, completion_ids):                                             # -> [rows, T]
+        last = self.previous.gather(-1, completion_ids[:, -1:]).squeeze(-1)
+        return torch.stack(self.logps + [last], dim=1)
+
+
 @torch.no_grad()
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
             temperature=1.0, top_p=1.0, top_k=0, static_cache=False, compile_config=None):
-    """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T], truncated [rows].
+    """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T], truncated
+    [rows], and the sampler's log-prob of each completion token [rows, T] (0 outside the mask; None if greedy).
 
-    The sampling distribution is softmax(z / temperature) (then top-k / top-p, if asked), and nothing else:
-    a checkpoint's generation_config.json (repetition_penalty, no_repeat_ngram_size, min_new_tokens, ...)
-    would make the sampler draw from a distribution the loss never scores, so it is set aside here.
+    The sampling distribution is truncate_logits(z / temperature, top_k, top_p), applied by SamplerLogps, and
+    nothing else: a checkpoint's generation_config.json (repetition_penalty, no_repeat_ngram_size, ...) would
+    make the sampler draw from a distribution the loss never scores, so it is set aside here.
     static_cache: a fixed-size KV cache, whose decode step transformers compiles on CUDA (compile_config
     overrides how). The compiled step reads the parameters as inputs, so it sees every update."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, LogitsProcessorList
     eos = eos_token_ids(policy, tokenizer)  # stop on, and mask after, every EOS the checkpoint declares
-    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample,
-                              temperature=temperature if do_sample else 1.0, top_p=top_p if do_sample else 1.0,
-                              top_k=top_k if do_sample else None, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=eos, bos_token_id=tokenizer.bos_token_id,
+    sampler = SamplerLogps(temperature, top_k, top_p) if do_sample else None
+    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample, temperature=1.0, top_p=1.0,
+                              top_k=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                              bos_token_id=tokenizer.bos_token_id,
                               cache_implementation="static" if static_cache else None,
                               compile_config=compile_config)
     if static_cache:  # the compiled decode is specialized to the cache's shape: widths in steps of 64, not 1
@@ -604,13 +654,17 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     policy.generation_config = GenerationConfig()  # generate() fills unset fields from this: library defaults only
     try:
         with gathered(policy):
-            out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                  logits_processor=LogitsProcessorList([sampler] if sampler else []))
     finally:
         policy.generation_config = checkpoint_config
         policy.train(was_training)
     completion_ids = out[:, input_ids.shape[1]:]                                  # [rows, T <= max_gen_len]
     mask, truncated = completion_mask(completion_ids, eos)
-    return completion_ids, mask, truncated
+    sampler_logps = None
+    if sampler is not None:  # after EOS generate writes pads, which the truncation may have dropped (-inf)
+        sampler_logps = torch.where(mask.bool(), sampler.finish(completion_ids), 0.0)
+    return completion_ids, mask, truncated, sampler_logps
 
 
 def decode_completions(tokenizer, completion_ids, mask):
@@ -720,25 +774,31 @@ def disable_dropout(model):
                 setattr(module, name, 0.0)
 
 
-def _chunk_logps_entropy(lm_head, hidden, targets, temperature, entropy_grad, entropy_chunk_size, with_entropy=True):
+def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entropy_chunk_size, with_entropy=True):
     """One chunk: hidden [c, H] -> logits [c, V] (they exist only inside this chunk).
-    lm_head: anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear)."""
+    lm_head: anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear).
+    sampling: temperature, top_k, top_p of the distribution to score (top_k 0, top_p 1: the full one)."""
     logits = lm_head(hidden).float()                    # [c, V]: the one fp32 copy (bf16 under autocast)
-    if temperature != 1.0:
-        logits.div_(temperature)                        # in place: no second [c, V] tensor (nothing saved it)
-    logps = selective_log_softmax(logits, targets)
+    if sampling["temperature"] != 1.0:
+        logits.div_(sampling["temperature"])            # in place: no second [c, V] tensor (nothing saved it)
+    # sampling replay: score under the truncation the sampler used, renormalized over the kept set (the
+    # sampled token always kept): logp = z[o] - logsumexp(z[kept])
+    scored = truncate_logits(logits, sampling["top_k"], sampling["top_p"], keep=targets)
+    logps = selective_log_softmax(scored, targets)
     if not with_entropy:
         return logps, torch.zeros_like(logps.detach())
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        # only logged: no graph at all (detached, no_grad); a bonus: in the graph, recomputed in backward
+        # only logged: no graph at all (detached, no_grad); a bonus: in the graph, recomputed in backward.
+        # The entropy is the full (tempered) distribution's, truncated or not
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), entropy_chunk_size)
     return logps, entropy
 
 
-def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
-                     chunk_size=0, entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
+def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0, top_k=0,
+                     top_p=1.0, chunk_size=0, entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
     """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states through lm_head
     in chunks of chunk_size tokens (0: auto_chunk_tokens(V)), so [rows, T, V] logits never exist at once.
+    temperature, top_k, top_p: the distribution scored (truncate_logits); top_k 0 and top_p 1 score the full one.
     Call it with the DDP-wrapped model: its forward is what makes DDP all-reduce the gradients. Without grad
     (reference, old log-probs) it runs the decoder alone, which keeps no layer's hidden states but the last.
 
@@ -756,8 +816,11 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     hidden = hidden[:, -T - 1:-1, :]                                              # [rows, T, H]: state before token t
     targets = input_ids[:, -T:]                                                   # [rows, T]
     head = functools.partial(lm_logits, unwrap(model))                         # lm_head + the model's post-processing
-    chunk_size = chunk_size or auto_chunk_tokens(unwrap(model).get_output_embeddings().weight.shape[0])
-    logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature,
+    # truncating holds a few more [c, V] tensors (the sort's values and indices, a mask): a smaller auto chunk
+    truncating = top_k > 0 or top_p < 1.0
+    chunk_size = chunk_size or auto_chunk_tokens(unwrap(model).get_output_embeddings().weight.shape[0]) // (
+        4 if truncating else 1) or 1
+    logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature, top_k=top_k, top_p=top_p,
                                    chunk_size=chunk_size, entropy_grad=entropy_grad,
                                    entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
     return logps, entropy, aux
@@ -773,20 +836,21 @@ def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
     return max(1, budget_mib * 2**20 // (vocab_size * 4))
 
 
-def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, chunk_size=1024, entropy_grad=False,
-                  entropy_chunk_size=128, with_entropy=True):
+def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size=1024,
+                  entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
     """hidden [rows, T, H] -> logps, entropy [rows, T], chunk_size tokens of logits at a time: the largest
     logits tensor is [chunk_size, V] however many rows there are."""
     rows, T = targets.shape
     flat_hidden, flat_targets = hidden.reshape(rows * T, hidden.shape[-1]), targets.reshape(rows * T)  # [N, H], [N]
     logps, entropy = [], []
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     for s in range(0, rows * T, chunk_size):
         h, y = flat_hidden[s:s + chunk_size], flat_targets[s:s + chunk_size]
         if torch.is_grad_enabled():  # keep only the chunk's inputs; recompute its logits in backward
-            lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, temperature, entropy_grad,
+            lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, sampling, entropy_grad,
                                  entropy_chunk_size, with_entropy, use_reentrant=False)
         else:
-            lp, ent = _chunk_logps_entropy(lm_head, h, y, temperature, False, entropy_chunk_size, with_entropy)
+            lp, ent = _chunk_logps_entropy(lm_head, h, y, sampling, False, entropy_chunk_size, with_entropy)
         logps.append(lp)
         entropy.append(ent)
     return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T)
@@ -811,9 +875,11 @@ def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, w
 
 
 def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high, ref_logps=None, beta=0.0,
-              max_gen_len=None, num_items=None, world_size=1, entropy=None, entropy_coef=0.0, accum_steps=1):
-    """logps/old_logps/ref_logps/mask/entropy: [rows, T]; advantages: [rows]. Returns (loss, stats).
-    old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy."""
+              max_gen_len=None, num_items=None, world_size=1, entropy=None, entropy_coef=0.0, accum_steps=1,
+              is_weight=None):
+    """logps/old_logps/ref_logps/mask/entropy/is_weight: [rows, T]; advantages: [rows]. Returns (loss, stats).
+    old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy. is_weight: a detached
+    per-token weight of the policy term (importance_weights: the sampler/trainer mismatch correction)."""
     assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) in the graph has zero gradient"
     mask = mask.to(logps.dtype)
     A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
@@ -827,6 +893,9 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
         # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
         policy = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
         clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
+    if is_weight is not None:
+        assert not is_weight.requires_grad, "the importance weight is a constant: sg(w)"
+        policy = is_weight * policy                                               # L <- sg(w) * L
     per_token = policy
     norm = dict(loss_type=loss_type, max_gen_len=max_gen_len, num_items=num_items, world_size=world_size,
                 accum_steps=accum_steps)
@@ -844,6 +913,16 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
     stats["policy_loss"] = aggregate(policy.detach(), mask, **norm)
     stats["clip_ratio"] = (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
     return loss, stats
+
+
+def importance_weights(ratio, kind, cap):
+    # the sampler drew o from pi_sampler, the loss scores pi_trainer: rho = exp(logp_trainer - logp_sampler), and
+    # tis: w = min(rho, C) (truncated importance sampling); mis: w = 1[1/C <= rho <= C] (masked); none: w = 1
+    if kind == "tis":
+        return torch.clamp(ratio, max=cap)
+    if kind == "mis":
+        return ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
+    return None
 
 
 def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_max):
@@ -986,7 +1065,7 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
         prompts = [r["prompt"] for r in rows] or [eval_rows[0]["prompt"]]
         ids, am, _ = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
         with autocast(args, device):
-            comp, mask, _ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len, do_sample=False,
+            comp, mask, *_ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len, do_sample=False,
                                     static_cache=use_static_cache(args, device))
         texts = decode_completions(tokenizer, comp, mask)
         correct += sum(score(t, r) for t, r in zip(texts, rows))
@@ -1229,31 +1308,46 @@ def next_prompts(sampler, train_rows, state, batch_size):
     return rows
 
 
+@dataclass
+class Run:
+    """What every step uses and no step changes: built once by train(), handed to grpo_step."""
+    model: torch.nn.Module       # the policy as the loss sees it: the DDP wrapper, or the policy itself
+    ref_model: object            # frozen reference (beta > 0), else None
+    optimizer: object
+    scaler: object               # torch.amp.GradScaler: dynamic loss scaling under --dtype float16, else inert
+    tokenizer: object
+    reward_fns: list
+    weights: list
+    world: int = 1
+    device: str = "cpu"
+
+
 # ----------------------------------------------------------------------------------------------------
 # One GRPO step: stages 1-13, in order. The functions it calls are defined above.
 # ----------------------------------------------------------------------------------------------------
-def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, weights, state, world, device):
-    """One step on this rank's B prompts. `model` is the DDP wrapper under torchrun, the policy otherwise.
-    Updates `state` in place and returns the step's metrics (world averages)."""
-    t0, G, policy = time.time(), args.num_generations, unwrap(model)
+def grpo_step(args, run, rows, state):
+    """One step on this rank's B prompts (`run`: model, reference, optimizer, ...). Updates `state` in place
+    and returns the step's metrics (world values)."""
+    t0, G, policy, device = time.time(), args.num_generations, unwrap(run.model), run.device
     reset_peak_memory(device)
     # 1. prompts: each repeated G times so a group is contiguous; left-padded, left-truncated
     rows = [r for r in rows for _ in range(G)]
     prompts = [r["prompt"] for r in rows]
-    prompt_ids, prompt_mask, n_cut = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
+    prompt_ids, prompt_mask, n_cut = tokenize_prompts(run.tokenizer, prompts, args.max_prompt_len, device)
 
-    # 2. rollout on the unwrapped policy, no graph: m = 1 up to and including the first EOS
+    # 2. rollout on the unwrapped policy, no graph: m = 1 up to and including the first EOS; the sampler's
+    # own log-prob of each token it drew
     t_gen = time.time()
     with autocast(args, device):
-        completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
-                                                  max_gen_len=args.max_gen_len, temperature=args.temperature,
-                                                  top_p=args.top_p, top_k=args.top_k,
-                                                  static_cache=use_static_cache(args, device))
+        completion_ids, mask, truncated, sampler_logps = rollout(
+            policy, prompt_ids, prompt_mask, run.tokenizer, max_gen_len=args.max_gen_len,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            static_cache=use_static_cache(args, device))
     gen_time = time.time() - t_gen                                                # completion_ids [rows, T]
 
     # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i)
-    completions = decode_completions(tokenizer, completion_ids, mask)
-    rewards = compute_rewards(reward_fns, weights, completions, rows)              # [rows]
+    completions = decode_completions(run.tokenizer, completion_ids, mask)
+    rewards = compute_rewards(run.reward_fns, run.weights, completions, rows)      # [rows]
     # 4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4); batch: the std of all ranks' rewards
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
     advantages = compute_advantages(rewards, G, args.scale_rewards, batch_std).to(device)  # [rows]
@@ -1264,62 +1358,83 @@ def grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns, we
     T = completion_ids.shape[1]
 
     # 5-6. reference and old log-probs: plain tensors, no graph (old only when mu > 1; else logps.detach())
-    lp_kw = dict(temperature=args.temperature, chunk_size=args.logp_chunk_size)
+    lp_kw = dict(chunk_size=args.logp_chunk_size, **scored_distribution(args))
     with torch.no_grad(), autocast(args, device):
-        ref_logps = (completion_logps(ref_model, input_ids, attention_mask, T, **lp_kw)[0]
-                     if ref_model is not None else None)
-        old_logps = (completion_logps(model, input_ids, attention_mask, T, **lp_kw)[0]
+        ref_logps = (completion_logps(run.ref_model, input_ids, attention_mask, T, **lp_kw)[0]
+                     if run.ref_model is not None else None)
+        old_logps = (completion_logps(run.model, input_ids, attention_mask, T, **lp_kw)[0]
                      if args.num_iterations > 1 else None)
     num_items = world_sum(mask.sum().item(), device=device)[0]                   # N: masked tokens, all ranks
 
     # 7-13. mu updates per rollout: current log-probs, loss, backward, clip, optimizer step
     batch = dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, advantages=advantages,
-                 old_logps=old_logps, ref_logps=ref_logps, num_items=num_items)
+                 old_logps=old_logps, ref_logps=ref_logps, sampler_logps=sampler_logps, num_items=num_items)
     for it in range(args.num_iterations):
-        sums = accumulate_gradients(model, batch, args, state.entropy_coef_applied, world)
-        if it == 0:
-            entropy_sum = sums["entropy_sum"]  # entropy of the policy that sampled: a sum on this rank
-        grad_norm = clipped_optimizer_step(policy, optimizer, args.grad_clip, sums["loss"], state, device)
+        sums = accumulate_gradients(run, batch, args, state.entropy_coef_applied)
+        if it == 0:  # the policy that sampled: its entropy and its mismatch with the sampler
+            first = sums
+        grad_norm = clipped_optimizer_step(run, args.grad_clip, sums["loss"], state)
 
     # 11. entropy coefficient: one world entropy (a sum and a count), one rule, the same c on every rank
-    state.world_entropy = world_mean(entropy_sum, mask.sum().item(), device=device)
+    state.world_entropy = world_mean(first["entropy_sum"], mask.sum().item(), device=device)
     coef_used = state.entropy_coef_applied
     if args.use_adaptive_entropy:
         state.entropy_coef, state.entropy_coef_applied = update_entropy_coef(
             state.entropy_coef, state.world_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
             coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
 
-    # metrics: world averages of this rank's numbers
-    r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut = world_sum(
+    record = step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, n_cut // G, G, num_items)
+    dt = time.time() - t0
+    record.update(entropy_coef_applied=coef_used, grad_norm=grad_norm.item(), step_time=dt, generate_time=gen_time,
+                  generate_share=gen_time / dt, tokens_per_s=num_items / dt, peak_mem_gib=peak_memory_gib(device))
+    if run.scaler.is_enabled():
+        record["loss_scale"] = run.scaler.get_scale()
+    return record
+
+
+def scored_distribution(args):
+    """The distribution the trainer scores tokens under: the sampler's (replay), or the full tempered one."""
+    replay = args.sampling_replay
+    return dict(temperature=args.temperature, top_k=args.top_k if replay else 0, top_p=args.top_p if replay else 1.0)
+
+
+def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, prompts_cut, G, num_items):
+    """The step's record: world values (sums and counts over ranks, or the world's min and max)."""
+    world, device = run.world, run.device
+    r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut, diff, ratio = world_sum(
         rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(), mask.sum(1).float().mean(),
         truncated.float().mean(), (rewards.view(-1, G).std(1) == 0).float().mean(), sums["loss"],
-        sums["policy_loss"], sums["kl_sum"], sums["clip"], sums["aux"], n_cut // G, device=device)
+        sums["policy_loss"], sums["kl_sum"], sums["clip"], sums["aux"], prompts_cut, first["diff_sum"],
+        first["ratio_sum"], device=device)
     state.truncated_prompts += int(cut)
-    dt = time.time() - t0
+    diff_max, ratio_max, neg_ratio_min = (world_max(first[k], device=device)
+                                          for k in ("diff_max", "ratio_max", "neg_ratio_min"))
     record = {"reward": r_mean / world, "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
               "frac_reward_zero_std": zero_std / world, "advantage_std": math.sqrt(adv_sq / world),
               "loss": loss / world, "policy_loss": pl / world, "kl": kl / max(num_items, 1.0),  # masked mean
-              "entropy": state.world_entropy,
-              "entropy_coef": state.entropy_coef, "entropy_coef_applied": coef_used, "clip_ratio": clip / world,
-              "completion_len": c_len / world, "truncated_frac": trunc / world, "grad_norm": grad_norm.item(),
-              "step_time": dt, "generate_time": gen_time, "generate_share": gen_time / dt,
-              "tokens_per_s": num_items / dt, "peak_mem_gib": peak_memory_gib(device),
+              "entropy": state.world_entropy, "entropy_coef": state.entropy_coef, "clip_ratio": clip / world,
+              "completion_len": c_len / world, "truncated_frac": trunc / world,
+              # the sampler vs the trainer, per masked token: |old logp - sampler logp| and rho = exp(difference)
+              "sampler_logp_diff_mean": diff / max(num_items, 1.0), "sampler_logp_diff_max": diff_max,
+              "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio / max(num_items, 1.0), "is_ratio_max": ratio_max,
               "skipped_steps_in_a_row": state.bad_in_a_row, "truncated_prompts": state.truncated_prompts}
-    if is_moe(model):
+    if is_moe(run.model):
         record["aux_loss"] = aux / world
     return record
 
 
-def accumulate_gradients(model, batch, args, entropy_coef, world):
-    """Steps 7-12 over S micro-batches: current log-probs through `model` (the DDP wrapper), the loss,
+def accumulate_gradients(run, batch, args, entropy_coef):
+    """Steps 7-12 over S micro-batches: current log-probs through `run.model` (the DDP wrapper), the loss,
     backward. Gradients add up over micro-batches; DDP all-reduces them on the last one only."""
+    model, world = run.model, run.world
     rows, width = batch["input_ids"].shape
     # a world decision: every rank runs the same number of micro-steps (FSDP gathers in each one's forward)
     micro = args.micro_batch_size or auto_micro_batch(rows, world_max(width, device=batch["input_ids"].device),
                                                       args)
     S = rows // micro                                                             # accumulation micro-steps
     T = batch["mask"].shape[1]
-    sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0, "entropy_sum": 0.0}
+    sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0, "entropy_sum": 0.0,
+            "diff_sum": 0.0, "diff_max": 0.0, "ratio_sum": 0.0, "ratio_max": -math.inf, "neg_ratio_min": -math.inf}
     for m in range(S):
         sl = slice(m * micro, (m + 1) * micro)
         if isinstance(model, DDP):
@@ -1329,25 +1444,38 @@ def accumulate_gradients(model, batch, args, entropy_coef, world):
         # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper; entropy in the graph only if it is used
         with autocast(args, batch["input_ids"].device):
             logps, entropy, aux = completion_logps(model, batch["input_ids"][sl], batch["attention_mask"][sl], T,
-                                                   temperature=args.temperature, chunk_size=args.logp_chunk_size,
+                                                   chunk_size=args.logp_chunk_size,
                                                    entropy_grad=entropy_coef != 0.0,
-                                                   entropy_chunk_size=args.entropy_chunk_size)
+                                                   entropy_chunk_size=args.entropy_chunk_size,
+                                                   **scored_distribution(args))
         old = batch["old_logps"][sl] if batch["old_logps"] is not None else logps.detach()
         ref = batch["ref_logps"][sl] if batch["ref_logps"] is not None else None
+        # the sampler's log-prob against the trainer's (old: the weights that sampled): rho = exp(old - sampler)
+        mask = batch["mask"][sl]
+        gap = torch.where(mask.bool(), old - batch["sampler_logps"][sl], 0.0)      # [micro, T]
+        rho = torch.exp(gap)
         # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
-        loss, stats = grpo_loss(logps, old, batch["advantages"][sl], batch["mask"][sl], loss_type=args.loss_type,
+        loss, stats = grpo_loss(logps, old, batch["advantages"][sl], mask, loss_type=args.loss_type,
                                 epsilon=args.epsilon, epsilon_high=args.epsilon_high, ref_logps=ref,
                                 beta=args.beta, max_gen_len=args.max_gen_len, num_items=batch["num_items"],
-                                world_size=world, entropy=entropy, entropy_coef=entropy_coef, accum_steps=S)
+                                world_size=world, entropy=entropy, entropy_coef=entropy_coef, accum_steps=S,
+                                is_weight=importance_weights(rho, args.is_correction, args.is_cap))
         if aux is not None:  # 12. MoE router load-balancing loss, scaled by the config's coefficient
             loss = loss + unwrap(model).config.router_aux_loss_coef * aux / S
             sums["aux"] += aux.item() / S
-        loss.backward()
+        run.scaler.scale(loss).backward()  # fp16: loss x scale, so small gradients do not flush to zero
         sums["loss"] += loss.item()
         sums["policy_loss"] += stats["policy_loss"].item()
         sums["kl_sum"] += stats.get("kl_sum", torch.tensor(0.0)).item()
         sums["clip"] += stats["clip_ratio"].item() / S
-        sums["entropy_sum"] += (entropy.detach() * batch["mask"][sl]).sum().item()
+        sums["entropy_sum"] += (entropy.detach() * mask).sum().item()
+        on = mask.bool()
+        if on.any():
+            sums["diff_sum"] += gap.abs().sum().item()
+            sums["diff_max"] = max(sums["diff_max"], gap.abs().max().item())
+            sums["ratio_sum"] += rho[on].sum().item()
+            sums["ratio_max"] = max(sums["ratio_max"], rho[on].max().item())
+            sums["neg_ratio_min"] = max(sums["neg_ratio_min"], -rho[on].min().item())
     return sums
 
 
@@ -1376,18 +1504,25 @@ def peak_memory_gib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20                # KiB on Linux
 
 
-def clipped_optimizer_step(policy, optimizer, grad_clip, loss, state, device):
-    """Step 13: clip the global grad norm, step, zero the gradients. A step whose loss or grad norm is not
-    finite on any rank is skipped on every rank (a world decision), and counted."""
+def clipped_optimizer_step(run, grad_clip, loss, state):
+    """Step 13: unscale (fp16), clip the global grad norm, step, zero the gradients. A step whose loss or grad
+    norm is not finite on any rank is skipped on every rank (a world decision), and counted; under fp16 the
+    loss scale then halves on every rank, and doubles after 2,000 good steps in a row (GradScaler's rule)."""
+    policy, optimizer, scaler = unwrap(run.model), run.optimizer, run.scaler
+    scaler.unscale_(optimizer)  # the gradients of the true loss: clipping and the norm see real values
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
-    n_bad = world_sum(not (torch.isfinite(grad_norm) and math.isfinite(loss)), device=device)[0]
+    n_bad = world_sum(not (torch.isfinite(grad_norm) and math.isfinite(loss)), device=run.device)[0]
     if n_bad == 0:
-        optimizer.step()
+        scaler.step(optimizer)  # = optimizer.step() (no rank holds an inf gradient: the world norm is finite)
+        scaler.update()
         state.bad_in_a_row = 0
     else:
         state.bad_in_a_row += 1
+        if scaler.is_enabled():  # lower the scale on every rank alike (a rank's own check may have seen no inf)
+            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+            scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
@@ -1395,8 +1530,10 @@ def clipped_optimizer_step(policy, optimizer, grad_clip, loss, state, device):
 # ----------------------------------------------------------------------------------------------------
 # Resume, log, save (step 14)
 # ----------------------------------------------------------------------------------------------------
-def resume(args, ckpt, policy, optimizer, scheduler, rank, metrics_path):
-    """Restore weights, optimizer, scheduler, loop state and this rank's RNG; trim the log to the checkpoint."""
+def resume(args, ckpt, run, scheduler, rank, metrics_path):
+    """Restore weights, optimizer, loss scale, scheduler, loop state and this rank's RNG; trim the log to
+    the checkpoint."""
+    policy, optimizer = unwrap(run.model), run.optimizer
     load_weights(policy, ckpt, trust_remote_code=bool(args.trust_remote_code))
     saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
     optimizer_state = saved.pop("optimizer")
@@ -1411,6 +1548,9 @@ def resume(args, ckpt, policy, optimizer, scheduler, rank, metrics_path):
     else:
         optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(saved.pop("scheduler"))
+    scaler_state = saved.pop("scaler", {})
+    if run.scaler.is_enabled() and scaler_state:
+        run.scaler.load_state_dict(scaler_state)
     state = TrainState(**saved)
     rng_file = os.path.join(ckpt, f"rng_state_{rank}.pt")
     if not os.path.isfile(rng_file):
@@ -1483,12 +1623,13 @@ def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank
           f"model: {where}")
 
 
-def save(args, model, tokenizer, optimizer, scheduler, state, rank):
+def save(args, run, scheduler, state, rank):
     # DDP: every rank holds the same AdamW state, rank 0 saves it; FSDP: each rank saves its own shard
-    shard = local_optimizer_state(optimizer) if is_fsdp(model) else None
+    shard = local_optimizer_state(run.optimizer) if is_fsdp(run.model) else None
     trainer_state = {**dataclasses.asdict(state), "scheduler": scheduler.state_dict(),
-                     "optimizer": None if shard is not None else optimizer.state_dict()}
-    save_checkpoint(args.save_dir, state.step, model, tokenizer, trainer_state, rank, optimizer_shard=shard)
+                     "scaler": run.scaler.state_dict(),  # fp16's loss scale and its run of good steps
+                     "optimizer": None if shard is not None else run.optimizer.state_dict()}
+    save_checkpoint(args.save_dir, state.step, run.model, run.tokenizer, trainer_state, rank, optimizer_shard=shard)
 
 
 def local_optimizer_state(optimizer):
@@ -1545,6 +1686,9 @@ def train(args, rank, world, device):
     if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
         ref_model = frozen_copy(policy, getattr(torch, args.dtype))
     optimizer, scheduler = build_optimizer(policy, args)
+    # fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none); inert otherwise
+    scaler = torch.amp.GradScaler(torch.device(device).type, enabled=args.dtype == "float16")
+    run = Run(model, ref_model, optimizer, scaler, tokenizer, reward_fns, weights, world, device)
 
     # --- fresh start or resume ---
     if master:
@@ -1552,7 +1696,7 @@ def train(args, rank, world, device):
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
     ckpt = find_checkpoint(args.save_dir) if args.resume == "auto" else (args.resume or None)
     if ckpt:
-        state = resume(args, ckpt, policy, optimizer, scheduler, rank, metrics_path)
+        state = resume(args, ckpt, run, scheduler, rank, metrics_path)
         report, close_report = open_report(args, rank, resumed_at=state.step)
     else:
         report, close_report = open_report(args, rank)
@@ -1577,8 +1721,7 @@ def train(args, rank, world, device):
         rows = next_prompts(sampler, train_rows, state, args.batch_size)
         cut_before = state.truncated_prompts
         lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-        record = {"step": step, **grpo_step(args, model, ref_model, optimizer, tokenizer, rows, reward_fns,
-                                            weights, state, world, device), "lr": lr}
+        record = {"step": step, **grpo_step(args, run, rows, state), "lr": lr}
         scheduler.step()
         if state.truncated_prompts > cut_before and not warned_cut and master:
             print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are left-truncated")
@@ -1590,10 +1733,11 @@ def train(args, rank, world, device):
             record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
         log_metrics(metrics_path, record, rank, report)
         bar.set_postfix(reward=f"{record['reward']:.3f}", eval=record.get(eval_key, ""),
-                        gen=f"{record['generate_share']:.0%}", mem=f"{record['peak_mem_gib']:.1f}G")
+                        gen=f"{record['generate_share']:.0%}", mem=f"{record['peak_mem_gib']:.1f}G",
+                        is_max=f"{record['is_ratio_max']:.3f}")
         stopping = args.stop_after and step >= args.stop_after
         if (args.save_interval and step % args.save_interval == 0) or step == args.max_steps or stopping:
-            save(args, model, tokenizer, optimizer, scheduler, state, rank)
+            save(args, run, scheduler, state, rank)
         if stopping:
             break
 

@@ -6,7 +6,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.distributed as dist
 
-from helpers import sample_batch, tg, tiny
+from helpers import make_run, sample_batch, tg, tiny
 
 
 def train(rank, world, argv, out_dir, bypass_ddp=False):
@@ -91,10 +91,10 @@ def loop_step_grads(rank, world, out_dir):
         tg.rollout = lambda *a, **k: seen.setdefault("rollout", (a[1], a[2], *real(*a, **k)))[2:]
         torch.manual_seed(rank)
         rows = train_rows[2 * rank:2 * rank + 2]                                  # different prompts per rank
-        tg.grpo_step(args, ddp, None, optimizer, tok, rows, [tg.reverse_reward], [1.0], tg.TrainState(), world,
-                     torch.device("cpu"))
+        run = make_run(ddp, tok, optimizer, world, reward_fns=[tg.reverse_reward], weights=[1.0])
+        tg.grpo_step(args, run, rows, tg.TrainState())
         tg.rollout = real
-        prompt_ids, prompt_mask, comp, mask, _ = seen["rollout"]
+        prompt_ids, prompt_mask, comp, mask, *_ = seen["rollout"]
         out[loss_type] = {"grads": seen["grads"], "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                           "comp": comp, "mask": mask, "answers": [r["answer"] for r in rows for _ in range(4)]}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -154,8 +154,9 @@ def micro_batch_world(rank, world, out_dir):
     width = [50, 150][rank]
     ids = torch.randint(3, len(tok), (4, width))
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mask=torch.ones(4, 6),
-                 advantages=torch.zeros(4), old_logps=None, ref_logps=None, num_items=48.0)
-    tg.accumulate_gradients(DDP(model), batch, args, 0.0, world)
+                 advantages=torch.zeros(4), old_logps=None, ref_logps=None, sampler_logps=torch.zeros(4, 6),
+                 num_items=48.0)
+    tg.accumulate_gradients(make_run(DDP(model), world=world), batch, args, 0.0)
     tg.completion_logps = real
     torch.save(seen[0], os.path.join(out_dir, f"micro_{rank}.pt"))
     dist.destroy_process_group()
@@ -177,4 +178,33 @@ def eval_uneven(rank, world, out_dir):
     dist.all_gather_object(gathered, scored)
     torch.save({"accuracy": acc, "scored": sorted(gathered[0] + gathered[1])},
                os.path.join(out_dir, f"eval_{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def fp16_skip(rank, world, out_dir):
+    """--dtype float16 under DDP: step 1's gradient gets an inf on rank 1 only, after DDP's all-reduce (as one
+    rank's shard would under FSDP); step 2 is clean. Saves whether the weights moved and the loss scale."""
+    dist.init_process_group("gloo")
+    model, tok = tiny()
+    args = tg.parse_args(["--dtype", "float16", "--batch_size", "2", "--num_generations", "4"])
+    optimizer, _ = tg.build_optimizer(model, args)
+    run = make_run(DDP(model), tok, optimizer, world, fp16=True, reward_fns=[tg.reverse_reward], weights=[1.0])
+    state, out, real = tg.TrainState(), {"bad_in_a_row": []}, tg.accumulate_gradients
+    train_rows, _ = tg.make_reverse_task(16)
+    for step, tag in ((1, "after_inf"), (2, "after_good")):
+        def plant(run, *a, **k):
+            sums = real(run, *a, **k)
+            if step == 1 and rank == 1:
+                next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = torch.inf
+            return sums
+        tg.accumulate_gradients = plant
+        before = [p.detach().clone() for p in model.parameters()]
+        torch.manual_seed(rank)
+        tg.grpo_step(args, run, train_rows[2 * rank:2 * rank + 2], state)
+        out[f"moved_{tag}"] = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        out[f"scale_{tag}"] = run.scaler.get_scale()
+        out["bad_in_a_row"].append(state.bad_in_a_row)
+    tg.accumulate_gradients = real
+    out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(out, os.path.join(out_dir, f"fp16_{rank}.pt"))
     dist.destroy_process_group()

@@ -79,5 +79,11 @@ def sample_batch(model, tok, n_prompts=4, G=4, seed=0, max_gen_len=6):
     torch.manual_seed(seed)
     prompts = [r["prompt"] for r in train_rows[seed * n_prompts:(seed + 1) * n_prompts] for _ in range(G)]
     ids, am, _ = tg.tokenize_prompts(tok, prompts, 64, "cpu")
-    comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=max_gen_len)
+    comp, mask, *_ = tg.rollout(model, ids, am, tok, max_gen_len=max_gen_len)
     return torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp, mask
+
+
+def make_run(model, tok=None, optimizer=None, world=1, fp16=False, reward_fns=(), weights=()):
+    """The trainer's Run for a test that calls grpo_step or its stages directly."""
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    return tg.Run(model, None, optimizer, scaler, tok, list(reward_fns), list(weights), world, "cpu")

@@ -29,7 +29,7 @@ def rollout_with_scores(model, tok, generation_config, temperature, do_sample=Tr
     prompts = [p for p in (prompts or ("abc=", "hgfedcba=", "ba=", "cabde=")) for _ in range(4)]
     ids, am, _ = tg.tokenize_prompts(tok, prompts, 256, "cpu")
     torch.manual_seed(seed)
-    comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=max_gen_len, do_sample=do_sample,
+    comp, mask, *_ = tg.rollout(model, ids, am, tok, max_gen_len=max_gen_len, do_sample=do_sample,
                                temperature=temperature)
     del model.generate
     return torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp, mask, captured["scores"]
@@ -157,7 +157,7 @@ def test_truncated_completions_are_rewarded_on_their_text(tmp_path, monkeypatch)
     tg.main(FAST + ["--max_steps", "1", "--max_gen_len", "3", "--mask_truncated_completions", "1",
                     "--save_dir", str(tmp_path)])
     row = json.loads(open(tmp_path / "metrics.jsonl").readline())
-    comp, mask, truncated = rolled[0]
+    comp, mask, truncated, _ = rolled[0]
     assert truncated.sum() >= 4
     tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
     cut = torch.nonzero(truncated).flatten().tolist()

@@ -7,6 +7,8 @@ import torch
 from helpers import sample_batch, spawn, tg, tiny
 import dist_workers
 
+FULL = dict(temperature=1.0, top_k=0, top_p=1.0)  # the full distribution: no truncation
+
 
 def naive_entropy(logits):
     logp = torch.log_softmax(logits.double(), -1)
@@ -53,9 +55,9 @@ def chunk_inputs():
 
 def test_logged_entropy_saves_nothing_for_backward():
     lm_head, hidden, targets = chunk_inputs()
-    without, _ = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, 1.0, False, 4, with_entropy=False))
-    logged, (lp, ent) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, 1.0, False, 4))
-    in_graph, (_, ent_g) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, 1.0, True, 4))
+    without, _ = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, False, 4, with_entropy=False))
+    logged, (lp, ent) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, False, 4))
+    in_graph, (_, ent_g) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, True, 4))
     assert logged == without and not ent.requires_grad
     assert in_graph > without and ent_g.requires_grad  # the deliberately non-detached version keeps softmax & co
 

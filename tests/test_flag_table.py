@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from helpers import ROOT, tg, tiny
+from helpers import ROOT, make_run, tg, tiny
 
 
 # ---- one step, at the defaults or with flags set ----
@@ -56,7 +56,7 @@ def one_step(**flags):
         return out
 
     def generate(**k):
-        calls["generate"].append(k["generation_config"])
+        calls["generate"].append(k)
         return real_generate(**k)
     tg.rollout = rollout
     tg.lm_logits = lambda m, h: calls["lm_logits"].append(h.shape[0]) or real_head(m, h)
@@ -65,8 +65,9 @@ def one_step(**flags):
     model.generate = generate
     torch.manual_seed(1)
     try:
-        record = tg.grpo_step(args, model, ref, optimizer, tok, train_rows[:args.batch_size], reward_fns, weights,
-                              state, 1, "cpu")
+        run = make_run(model, tok, optimizer, fp16=args.dtype == "float16", reward_fns=reward_fns, weights=weights)
+        run.ref_model = ref
+        record = tg.grpo_step(args, run, train_rows[:args.batch_size], state)
     finally:
         tg.rollout, tg.lm_logits, tg.entropy_from_logits = real_rollout, real_head, real_entropy
     record["lr_now"] = optimizer.param_groups[0]["lr"]        # the rate this step used
@@ -111,6 +112,16 @@ def elsewhere(where):
     return ("elsewhere", where, None, {})
 
 
+def config(f):
+    """The generation config the rollout handed to generate."""
+    return f.calls["generate"][0]["generation_config"]
+
+
+def sampler(f):
+    """The logits processor that applies the sampling distribution inside generate."""
+    return f.calls["generate"][0]["logits_processor"][0]
+
+
 def tokens_shape(f):
     return f.tokens.shape[1]
 
@@ -137,8 +148,10 @@ FLAGS = {
     "max_prompt_len": [step(3, lambda d, f: f.record["truncated_prompts"] == 2 and d.record["truncated_prompts"] == 0)],
     "max_gen_len": [step(3, lambda d, f: tokens_shape(f) == 3 and tokens_shape(d) == 6)],
     "temperature": [step(0.5, lambda d, f: f.record["entropy"] < d.record["entropy"])],
-    "top_p": [step(0.5, lambda d, f: f.calls["generate"][0].top_p == 0.5 and tokens_differ(d, f))],
-    "top_k": [step(1, lambda d, f: f.calls["generate"][0].top_k == 1 and tokens_differ(d, f))],
+    "top_p": [step(0.5, lambda d, f: sampler(f).top_p == 0.5 and sampler(d).top_p == 1 and tokens_differ(d, f))],
+    "top_k": [step(1, lambda d, f: sampler(f).top_k == 1 and sampler(d).top_k == 0 and tokens_differ(d, f))],
+    "sampling_replay": [step(0, lambda d, f: f.record["is_ratio_max"] < 0.999 < d.record["is_ratio_min"],
+                             top_p=0.5)],  # off: the full distribution is scored, rho = kept mass < 1
     "mask_truncated_completions": [step(1, lambda d, f: d.record["truncated_frac"] > 0
                                         and f.record["loss"] != d.record["loss"])],
     # objective
@@ -149,6 +162,10 @@ FLAGS = {
                           learning_rate=1e-3)],
     "num_iterations": [step(2, update_differs)],
     "scale_rewards": [step(choice, differs("advantage_std")) for choice in ("batch", "none")],
+    # a planted mismatch: top-p sampled, the full distribution scored (rho = the kept mass, in [0.5, 1])
+    "is_correction": [step(choice, update_differs, top_p=0.5, sampling_replay=0, is_cap=1.2)
+                      for choice in ("tis", "mis")],
+    "is_cap": [step(1.05, update_differs, top_p=0.5, sampling_replay=0, is_correction="mis")],
     # entropy
     "entropy_chunk_size": [step(5, lambda d, f: set(f.calls["entropy_chunk"]) == {5}
                                 and set(d.calls["entropy_chunk"]) == {128})],
@@ -183,10 +200,12 @@ FLAGS = {
     "resume": [elsewhere("test_real_path.py::test_resume_continues_exactly")],
     "eval_interval": [elsewhere("test_custom.py::test_summary_line_and_eval_size_caps_a_test_split")],
     "eval_size": [elsewhere("test_custom.py::test_summary_line_and_eval_size_caps_a_test_split")],
-    "dtype": [step("bfloat16", update_differs)],
+    "dtype": [step("bfloat16", update_differs),
+              step("float16", lambda d, f: update_differs(d, f) and f.record["loss_scale"] == 2.0 ** 16
+                   and "loss_scale" not in d.record)],
     "fsdp": [elsewhere("test_fsdp.py::test_fsdp_shards_and_the_loss_forward_goes_through_the_sharded_module")],
-    "rollout_cache": [step("static", lambda d, f: f.calls["generate"][0].cache_implementation == "static"
-                           and d.calls["generate"][0].cache_implementation is None)],
+    "rollout_cache": [step("static", lambda d, f: config(f).cache_implementation == "static"
+                           and config(d).cache_implementation is None)],
     "device": [error("cuda", "--device cuda") if not torch.cuda.is_available() else
                elsewhere("test_precision.py::test_static_cache_rollout_sees_the_weights_of_the_current_step")],
     "stop_after": [elsewhere("test_real_path.py::test_resume_continues_exactly")],

@@ -28,7 +28,7 @@ def full_forward(model, prompt_ids, prompt_mask, comp, mask):
 def test_logged_entropy_is_that_of_the_sampling_distribution(tmp_path, monkeypatch):
     rollouts = []
     rows = logged(tmp_path, "--max_steps", "1", "--temperature", "0.7", monkeypatch=monkeypatch, capture=rollouts)
-    (args, (comp, mask, _)), = rollouts
+    (args, (comp, mask, *_)), = rollouts
     model, _ = tiny()                                   # the trainer's initial weights (same seed, same config)
     with torch.no_grad():
         logp = torch.log_softmax(full_forward(model, args[1], args[2], comp, mask) / 0.7, -1)
@@ -68,17 +68,18 @@ def test_moe_loss_is_policy_loss_plus_the_configs_coefficient_times_aux(tmp_path
 def test_loop_keeps_entropy_out_of_the_graph_when_no_bonus_applies(monkeypatch):
     # inside the loop the entropy must carry a graph only when a bonus uses it: one that does holds a
     # softmax-sized graph through backward (the chunk recomputes it there), for a number that is only logged
-    from helpers import sample_batch
+    from helpers import make_run, sample_batch
     model, tok = tiny()
     input_ids, attn, comp, mask = sample_batch(model, tok)
     args = tg.parse_args(["--batch_size", "4", "--num_generations", "4", "--micro_batch_size", "8"])
     batch = dict(input_ids=input_ids, attention_mask=attn, mask=mask, advantages=torch.randn(16), old_logps=None,
-                 ref_logps=None, num_items=mask.sum().item())
+                 ref_logps=None, sampler_logps=torch.zeros_like(mask, dtype=torch.float),
+                 num_items=mask.sum().item())
     seen, real = [], tg.completion_logps
     monkeypatch.setattr(tg, "completion_logps", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     for coef in (0.0, 0.01):
         seen.clear()
-        sums = tg.accumulate_gradients(model, batch, args, coef, 1)
+        sums = tg.accumulate_gradients(make_run(model), batch, args, coef)
         assert len(seen) == 2 and all(entropy.requires_grad == (coef != 0.0) for _, entropy, _ in seen)
         # the logged sum is the same number either way
         want = sum((e.detach() * mask[8 * i:8 * i + 8]).sum().item() for i, (_, e, _) in enumerate(seen))

@@ -85,7 +85,7 @@ def test_static_cache_rollout_sees_the_weights_of_the_current_step(compiled):
             return out.sequences
         model.generate = generate
         torch.manual_seed(step)
-        comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=6, static_cache=True, compile_config=config)
+        comp, mask, *_ = tg.rollout(model, ids, am, tok, max_gen_len=6, static_cache=True, compile_config=config)
         del model.generate
         logps, _, _ = tg.completion_logps(model, torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp.shape[1])
         sampler = torch.log_softmax(scores["s"].float(), -1).gather(-1, comp[..., None]).squeeze(-1)

@@ -151,13 +151,13 @@ def test_generation_stops_and_the_mask_ends_on_every_declared_eos_id():
     model, tok = tiny(seed=3)
     prompts = ["abc=", "hgfedcba=", "ba=", "cabde="]
     ids, am, _ = tg.tokenize_prompts(tok, prompts, 64, "cpu")
-    comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=8, do_sample=False)
+    comp, mask, *_ = tg.rollout(model, ids, am, tok, max_gen_len=8, do_sample=False)
     # a token the greedy model emits mid-completion becomes a second EOS, declared only by the checkpoint
     row = next(i for i in range(len(prompts)) if mask[i, 2] == 1 and comp[i, 2] != tok.eos_token_id)
     other = comp[row, 2].item()
     assert other != tok.eos_token_id
     model.generation_config.eos_token_id = [tok.eos_token_id, other]
-    comp2, mask2, truncated2 = tg.rollout(model, ids, am, tok, max_gen_len=8, do_sample=False)
+    comp2, mask2, truncated2, _ = tg.rollout(model, ids, am, tok, max_gen_len=8, do_sample=False)
     for i in range(len(prompts)):  # each row: the old tokens up to the first of either EOS, then nothing
         ends = [t for t in range(comp.shape[1]) if comp[i, t].item() in (tok.eos_token_id, other)]
         stop = ends[0] if ends else comp.shape[1] - 1
