@@ -1,21 +1,33 @@
-"""GRPO in one file: rollout -> reward -> advantage -> log-probs -> loss -> update -> log/save.
+"""GRPO in one file: rollout -> reward -> advantage -> log-probs -> loss -> update, then the loop.
 
-The choices this trainer makes, in the order of one step (`grpo_step`, the README's "The math"):
-  1. Sample G completions per prompt with `model.generate`; score them with plain-Python rewards.
-  2. Advantage = reward minus its group's mean, over the group's std: no value network.
+The algorithmic choices, in the order of one step (`grpo_step`; the README's "The math"):
+  1. Sample G completions per prompt with `model.generate` (the torch engine). The rollout applies
+     the sampling distribution itself and keeps the sampler's log-prob of every token it drew.
+  2. Score each completion with plain-Python rewards; A = (r - mean of its group) / (std of its
+     group + 1e-4). No value network: the group is the baseline.
   3. Old and reference log-probs are detached tensors; current log-probs come from a fresh forward
-     through the DDP wrapper, chunked through lm_head so [rows, T, vocab] logits never exist at once.
-  4. Clipped-ratio loss (five normalizations), optional k3 KL, entropy logged without a graph, and an
-     adaptive entropy bonus whose coefficient is one world number on every rank.
+     through the DDP wrapper, chunked through lm_head so [rows, T, vocab] logits never exist.
+  4. The clipped-ratio objective under four normalizations (grpo, bnpo, dr_grpo, dapo), or cispo's
+     capped-weight REINFORCE objective; optional k3 KL to a frozen reference; optional tis/mis
+     correction of the sampler/trainer mismatch.
+  5. Entropy is logged without a graph; an optional entropy bonus has an adaptive coefficient that
+     is one world number on every rank.
+  6. With the defaults (mu = 1 update per rollout, beta = 0, no entropy bonus) the ratio is exactly
+     1 and never clips: the update is REINFORCE with the group mean as baseline (scaled by the
+     group's std), gradient -A * grad logp per token, averaged per sequence (--loss_type grpo).
+     Clipping acts only when mu > 1 (--num_iterations).
+  7. Master weights and AdamW state stay fp32; forward, backward and rollout compute in --dtype
+     under autocast (fp16 with dynamic loss scaling).
 
     python train_grpo.py                                        # offline: tiny model, built-in task
-    torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo on CPU, nccl on GPU)
-    python train_grpo.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct --dataset compare_numbers
-    python train_grpo.py --model_name_or_path path/to/SmolLM2-135M-Instruct.Q4_1.gguf --dataset compare_numbers
+    torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo CPU, nccl GPU)
+    python train_grpo.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct \\
+        --dataset compare_numbers                               # or the .gguf file (README)
     python train_grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset gsm8k
 
-Read it top to bottom beside notebook.ipynb; every formula has a test in tests/.
-`import train_grpo` runs nothing: the functions below are what the tests and the notebook import.
+Read it top to bottom beside notebook.ipynb: Args, then THE ALGORITHM (the step, then the loop),
+then a PLUMBING banner below which nothing is GRPO. Every formula has a test in tests/.
+`import train_grpo` runs nothing: the functions are what the tests and the notebook import.
 """
 
 import argparse
@@ -46,9 +58,9 @@ from tqdm import tqdm
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Config. Every field is a command-line flag (`--name value`) whose --help line is the text beside it.
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Config. Every field is a command-line flag (`--name value`); --help shows its text and default.
+# --------------------------------------------------------------------------------------------------
 def opt(default, help, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -56,29 +68,34 @@ def opt(default, help, **kw):
 @dataclass
 class Args:
     # what to train
-    loss_type: str = opt("grpo", "normalization of the per-token objective (README: The math, step 9)",
-                         choices=LOSS_TYPES)
-    use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint is MoE)",
-                       choices=(0, 1))
-    rollout_engine: str = opt("torch", "how completions are sampled; only 'torch' (model.generate) exists")
-    model_name_or_path: str = opt("", "hub name, local dir, or a .gguf file for from_pretrained; empty: build "
-                                      "a tiny model")
-    dataset: str = opt("", "compare_numbers (built-in task for real instruct models), gsm8k, a hub dataset, "
-                           "or a .jsonl/.json/.parquet file; empty: the built-in reversal task")
-    question_field: str = opt("question", "dataset field of a question, sent with GSM8K's system prompt (it wins "
-                                          "over a 'prompt' field); without it, a 'prompt' field (text, or chat "
-                                          "messages) is used as is")
-    answer_field: str = opt("answer", "dataset field holding the reference answer (optional with 'prompt')")
-    reward_funcs: str = opt("", "comma-separated reward functions, file.py:name or a train_grpo name, each "
-                                "f(completion, **row) -> float; empty: the task's own")
+    loss_type: str = opt("grpo", "normalization of the per-token objective (README: The math, "
+                         "step 9)", choices=LOSS_TYPES)
+    use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint "
+                       "is MoE)", choices=(0, 1))
+    rollout_engine: str = opt("torch", "how completions are sampled; only 'torch' "
+                              "(model.generate) exists")
+    model_name_or_path: str = opt("", "hub name, local dir, or a .gguf file for from_pretrained; "
+                                  "empty: build a tiny model")
+    dataset: str = opt("", "compare_numbers (built-in task for real instruct models), gsm8k, a "
+                       "hub dataset, or a .jsonl/.json/.parquet file; empty: the built-in "
+                       "reversal task")
+    question_field: str = opt("question", "dataset field of a question, sent with GSM8K's system "
+                              "prompt (it wins over a 'prompt' field); without it, a 'prompt' "
+                              "field (text, or chat messages) is used as is")
+    answer_field: str = opt("answer", "dataset field holding the reference answer (optional with "
+                            "'prompt')")
+    reward_funcs: str = opt("", "comma-separated reward functions, file.py:name or a train_grpo "
+                            "name, each f(completion, **row) -> float; empty: the task's own")
     reward_weights: str = opt("", "comma-separated weight per reward function; empty: task default")
-    trust_remote_code: int = opt(0, "1: let from_pretrained run code shipped with the model", choices=(0, 1))
+    trust_remote_code: int = opt(0, "1: let from_pretrained run code shipped with the model",
+                                 choices=(0, 1))
     # rollout
     num_generations: int = opt(8, "G: completions sampled per prompt (a group)")
     batch_size: int = opt(16, "B: prompts per rank per step (so B*G rows)")
-    micro_batch_size: int = opt(0, "rows per forward/backward; 0: auto (built-in model: all B*G rows; "
-                                   "a real model: as many as fit --micro_batch_tokens)")
-    micro_batch_tokens: int = opt(16384, "auto micro-batches: at most this many tokens (rows x sequence length)")
+    micro_batch_size: int = opt(0, "rows per forward/backward; 0: auto (built-in model: all B*G "
+                                "rows; a real model: as many as fit --micro_batch_tokens)")
+    micro_batch_tokens: int = opt(16384, "auto micro-batches: at most this many tokens (rows x "
+                                  "sequence length)")
     max_prompt_len: int = opt(256, "prompt tokens kept (longer prompts are left-truncated)")
     max_gen_len: int = opt(8, "L_max: new tokens per completion")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same one)")
@@ -86,29 +103,32 @@ class Args:
     top_k: int = opt(0, "top-k sampling; 0: off")
     mask_truncated_completions: int = opt(0, "1: completions that never emit EOS get a zero mask",
                                           choices=(0, 1))
-    sampling_replay: int = opt(1, "1: with --top_p < 1 or --top_k > 0 the trainer scores tokens under the "
-                                  "same truncation it sampled from (renormalized over the kept tokens); "
-                                  "0: under the full distribution", choices=(0, 1))
+    sampling_replay: int = opt(1, "1: with --top_p < 1 or --top_k > 0 the trainer scores tokens "
+                               "under the same truncation it sampled from (renormalized over the "
+                               "kept tokens); 0: under the full distribution", choices=(0, 1))
     # objective
     beta: float = opt(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
     epsilon: float = opt(0.2, "lower clip: ratio >= 1 - epsilon")
     epsilon_high: float = opt(-1.0, "upper clip (cispo: weight cap); -1: epsilon (cispo: 5.0)")
-    num_iterations: int = opt(1, "mu: updates per rollout; > 1 computes old log-probs once per rollout")
+    num_iterations: int = opt(1, "mu: updates per rollout; > 1 computes old log-probs once per "
+                              "rollout")
     scale_rewards: str = opt("group", "advantage divisor: group std, batch std or none",
                              choices=("group", "batch", "none"))
-    is_correction: str = opt("none", "sampler/trainer mismatch correction: tis weighs each token's policy "
-                                     "term by min(rho, is_cap), mis drops tokens with rho outside "
-                                     "[1/is_cap, is_cap]; rho = exp(trainer logp - sampler logp)",
+    is_correction: str = opt("none", "sampler/trainer mismatch correction: tis weighs each "
+                             "token's policy term by min(rho, is_cap), mis drops tokens with rho "
+                             "outside [1/is_cap, is_cap]; rho = exp(trainer logp - sampler logp)",
                              choices=("none", "tis", "mis"))
     is_cap: float = opt(2.0, "C of --is_correction (> 1)")
     # entropy (README: The math, steps 10-11)
     entropy_chunk_size: int = opt(128, "rows of logits per chunk when computing entropy")
-    logp_chunk_size: int = opt(0, "tokens (rows x positions) per lm_head chunk for log-probs, recomputed in "
-                                  "backward; 0: auto, as many as keep one chunk's fp32 logits within "
-                                  "LOGITS_BUDGET_MIB (64 MiB: 110 tokens at Qwen's 151,936-token vocabulary)")
-    entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start value if adaptive")
-    use_adaptive_entropy: int = opt(0, "1: adapt the coefficient toward --entropy_target (Skywork-OR1)",
-                                    choices=(0, 1))
+    logp_chunk_size: int = opt(0, "tokens (rows x positions) per lm_head chunk for log-probs, "
+                               "recomputed in backward; 0: auto, as many as keep one chunk's fp32 "
+                               "logits within LOGITS_BUDGET_MIB (64 MiB: 110 tokens at Qwen's "
+                               "151,936-token vocabulary)")
+    entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start "
+                              "value if adaptive")
+    use_adaptive_entropy: int = opt(0, "1: adapt the coefficient toward --entropy_target "
+                                    "(Skywork-OR1)", choices=(0, 1))
     entropy_target: float = opt(0.2, "adaptive: target world entropy (nats per token)")
     entropy_coef_delta: float = opt(1e-4, "adaptive: coefficient step per optimizer step")
     entropy_coef_min: float = opt(0.0, "adaptive: lower bound of the coefficient")
@@ -117,40 +137,883 @@ class Args:
     max_steps: int = opt(200, "GRPO optimizer steps")
     learning_rate: float = opt(2e-4, "AdamW learning rate of the GRPO updates")
     weight_decay: float = opt(0.0, "AdamW weight decay")
-    lr_scheduler: str = opt("constant", "constant or cosine, after linear warmup", choices=("constant", "cosine"))
+    lr_scheduler: str = opt("constant", "constant or cosine, after linear warmup",
+                            choices=("constant", "cosine"))
     warmup_steps: int = opt(0, "linear learning-rate warmup steps")
     grad_clip: float = opt(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
-    gradient_checkpointing: int = opt(-1, "1: recompute transformer layers in backward; -1: auto (on for "
-                                          "--model_name_or_path, off for the built-in tiny model)",
-                                      choices=(-1, 0, 1))
-    sft_warmup_steps: int = opt(200, "built-in task only: supervised steps before the first eval and GRPO")
+    gradient_checkpointing: int = opt(-1, "1: recompute transformer layers in backward; -1: auto "
+                                      "(on for --model_name_or_path, off for the built-in tiny "
+                                      "model)", choices=(-1, 0, 1))
+    sft_warmup_steps: int = opt(200, "built-in task only: supervised steps before the first eval "
+                                "and GRPO")
     sft_learning_rate: float = opt(1e-3, "learning rate of the supervised warmup")
     # bookkeeping
     seed: int = opt(0, "seed for model init, data order and sampling")
     save_dir: str = opt("runs/grpo", "metrics.jsonl, checkpoints and the final model go here")
     save_interval: int = opt(0, "write checkpoint-<step> every N steps; 0: only at the end")
     resume: str = opt("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
-    eval_interval: int = opt(50, "held-out greedy accuracy every N steps (and before/after training); 0: off")
+    eval_interval: int = opt(50, "held-out greedy accuracy every N steps (and before/after "
+                             "training); 0: off")
     eval_size: int = opt(256, "held-out prompts (built-in task, or files without a test split)")
-    dtype: str = opt("float32", "compute dtype: weights and AdamW state stay float32, forward and rollout run "
-                                "under autocast in this dtype", choices=("float32", "bfloat16", "float16"))
-    fsdp: int = opt(0, "1: shard parameters, gradients and optimizer state over the ranks with FSDP2 "
-                       "(fully_shard) instead of replicating them with DDP", choices=(0, 1))
-    rollout_cache: str = opt("auto", "KV cache of generate: static (CUDA compiles its decode step), dynamic, or "
-                                     "auto (static on CUDA, dynamic on CPU)", choices=("auto", "static", "dynamic"))
+    dtype: str = opt("float32", "compute dtype: weights and AdamW state stay float32, forward and "
+                     "rollout run under autocast in this dtype",
+                     choices=("float32", "bfloat16", "float16"))
+    fsdp: int = opt(0, "1: shard parameters, gradients and optimizer state over the ranks with "
+                    "FSDP2 (fully_shard) instead of replicating them with DDP", choices=(0, 1))
+    rollout_cache: str = opt("auto", "KV cache of generate: static (CUDA compiles its decode "
+                             "step), dynamic, or auto (static on CUDA, dynamic on CPU)",
+                             choices=("auto", "static", "dynamic"))
     device: str = opt("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
     stop_after: int = opt(0, "stop (as if interrupted) after this step; 0: run to max_steps")
-    report_to: str = opt("none", "also log each step's record to wandb or tensorboard (optional packages)",
-                         choices=("none", "wandb", "tensorboard"))
+    report_to: str = opt("none", "also log each step's record to wandb or tensorboard (optional "
+                         "packages)", choices=("none", "wandb", "tensorboard"))
     run_name: str = opt("", "name of the run in wandb/tensorboard; empty: the save_dir's name")
 
 
+# ==================================================================================================
+# THE ALGORITHM: rollout -> reward -> advantage -> log-probs -> loss -> update, then the loop.
+# ==================================================================================================
+
+
+# --------------------------------------------------------------------------------------------------
+# Steps 1-2. Prompts and rollout: sample on the *unwrapped* policy, in eval mode, without a graph.
+# --------------------------------------------------------------------------------------------------
+def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
+    """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
+    Returns input_ids [B, P], attention_mask [B, P] and how many prompts were cut."""
+    ids = [tokenizer(p, add_special_tokens=not getattr(tokenizer, "chat_template",
+                                                       None)).input_ids for p in prompts]
+    n_cut = sum(len(x) > max_prompt_len for x in ids)
+    ids = [x[-max_prompt_len:] for x in ids]
+    width = max(len(x) for x in ids)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids],
+                                  device=device)
+    return input_ids, attention_mask, n_cut
+
+
+def eos_token_ids(model, tokenizer):
+    """Every id that ends a completion: the tokenizer's EOS and those the checkpoint's generation
+    config declares (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama-3-Instruct: three
+    ids)."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    declared = declared if isinstance(declared, (list, tuple)) else [declared]
+    return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
+
+
+def completion_mask(completion_ids, eos_token_id):
+    # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after;
+    # eos_token_id: one id or a list (any of them ends the completion)
+    # [rows, T]
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_id, device=completion_ids.device))
+    T = completion_ids.shape[1]
+    never = torch.full_like(is_eos[:, 0], T, dtype=torch.long)
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)
+    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
+    # mask [rows, T], truncated [rows]
+    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)
+
+
+def truncate_logits(z, top_k=0, top_p=1.0, keep=None):
+    """Top-k, then top-p, as generate applies them (its order, its ties): dropped tokens get -inf,
+    so a softmax renormalizes over the kept set. keep [N]: a token id per row that stays whatever
+    (the sampled one). z: [N, V] logits already divided by the temperature."""
+    if top_k <= 0 and top_p >= 1.0:
+        return z
+    drop = torch.zeros_like(z, dtype=torch.bool)                                  # [N, V]
+    if top_k > 0:  # keep the k largest (and any tied with the k-th)
+        drop |= z < torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
+    # drop the least likely tokens while their total mass is <= 1 - top_p; the likeliest stays
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z.masked_fill(drop, float("-inf")), dim=-1)  # ascending
+        sorted_drop = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
+        sorted_drop[:, -1] = False
+        drop |= sorted_drop.scatter(-1, order, sorted_drop)
+    if keep is not None:
+        drop.scatter_(-1, keep.reshape(-1, 1), False)
+    return z.masked_fill(drop, float("-inf"))
+
+
+class SamplerLogps:
+    """A logits processor for generate: it applies the sampling distribution itself (temperature,
+    top-k, top-p: generate's own are switched off) and keeps, for each sampled token, its log-prob
+    under that distribution. One [rows, V] step at a time: when generate asks for step t+1's scores,
+    its input ends with the token it drew at step t, which is gathered from step t's log-softmax;
+    finish() does the last token."""
+    def __init__(self, temperature=1.0, top_k=0, top_p=1.0):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.previous, self.logps = None, []
+
+    def __call__(self, input_ids, scores):                                       # scores [rows, V]
+        if self.previous is not None:
+            self.logps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        scores = truncate_logits(scores.float() / self.temperature, self.top_k, self.top_p)
+        self.previous = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def finish(self, completion_ids):                                             # -> [rows, T]
+        last = self.previous.gather(-1, completion_ids[:, -1:]).squeeze(-1)
+        return torch.stack(self.logps + [last], dim=1)
+
+
+@torch.no_grad()
+def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
+            temperature=1.0, top_p=1.0, top_k=0, static_cache=False, compile_config=None):
+    """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T],
+    truncated [rows], and the sampler's log-prob of each completion token [rows, T] (0 outside the
+    mask; None if greedy).
+
+    The sampling distribution is truncate_logits(z / temperature, top_k, top_p), applied by
+    SamplerLogps, and nothing else: a checkpoint's generation_config.json (repetition_penalty,
+    no_repeat_ngram_size, ...) would make the sampler draw from a distribution the loss never
+    scores, so it is set aside here. static_cache: a fixed-size KV cache, whose decode step
+    transformers compiles on CUDA (compile_config overrides how). The compiled step reads the
+    parameters as inputs, so it sees every update."""
+    from transformers import GenerationConfig, LogitsProcessorList
+    # stop on, and mask after, every EOS the checkpoint declares
+    eos = eos_token_ids(policy, tokenizer)
+    sampler = SamplerLogps(temperature, top_k, top_p) if do_sample else None
+    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample, temperature=1.0,
+                              top_p=1.0,
+                              top_k=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                              bos_token_id=tokenizer.bos_token_id,
+                              cache_implementation="static" if static_cache else None,
+                              compile_config=compile_config)
+    # the compiled decode is specialized to the cache's shape: widths in steps of 64, not 1
+    if static_cache:
+        pad = -input_ids.shape[1] % 64
+        input_ids = torch.nn.functional.pad(input_ids, (pad, 0), value=tokenizer.pad_token_id)
+        attention_mask = torch.nn.functional.pad(attention_mask, (pad, 0), value=0)
+    was_training, checkpoint_config = policy.training, policy.generation_config
+    policy.eval()
+    # generate() fills unset fields from this: library defaults only
+    policy.generation_config = GenerationConfig()
+    try:
+        with gathered(policy):
+            processors = LogitsProcessorList([sampler] if sampler else [])
+            out = policy.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                  generation_config=config, logits_processor=processors)
+    finally:
+        policy.generation_config = checkpoint_config
+        policy.train(was_training)
+    # [rows, T <= max_gen_len]
+    completion_ids = out[:, input_ids.shape[1]:]
+    mask, truncated = completion_mask(completion_ids, eos)
+    sampler_logps = None
+    # after EOS generate writes pads, which the truncation may have dropped (-inf)
+    if sampler is not None:
+        sampler_logps = torch.where(mask.bool(), sampler.finish(completion_ids), 0.0)
+    return completion_ids, mask, truncated, sampler_logps
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
+            for ids, m in zip(completion_ids, mask)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Steps 3-4. Rewards and advantages
+# --------------------------------------------------------------------------------------------------
+def compute_rewards(reward_fns, weights, completions, rows):
+    # r_i = sum_k w_k * reward_k(o_i, **row_i); a reward that raises or is not a finite number names
+    # the sample
+    rewards = torch.zeros(len(completions))
+    for fn, w in zip(reward_fns, weights):
+        for i, (c, row) in enumerate(zip(completions, rows)):
+            where = f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {c[:60]!r})"
+            try:
+                value = call_reward(fn, c, row)
+            except Exception as e:
+                raise TrainerError(f"reward {fn.__name__} raised {where}: {type(e).__name__}: "
+                                   f"{e}") from None
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+                raise TrainerError(f"reward {fn.__name__} returned {value!r:.40}, not a number, "
+                                   f"{where}")
+            if not math.isfinite(float(value)):
+                raise TrainerError(f"reward {fn.__name__} returned {float(value)}, not a finite "
+                                   f"number, {where}")
+            rewards[i] += w * float(value)
+    return rewards
+
+
+def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
+    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4); std is the unbiased sample std, as in
+    # TRL. "batch" divides by batch_std (the trainer passes the std over all ranks), else by this
+    # batch's std
+    grouped = rewards.view(-1, num_generations)                                   # [B, G]
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_rewards == "group":
+        centered = centered / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    elif scale_rewards == "batch":
+        centered = centered / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
+    return centered.reshape(-1)                                                   # [B*G]
+
+
+# --------------------------------------------------------------------------------------------------
+# Steps 5-7, 10. Log-probs and entropy
+# --------------------------------------------------------------------------------------------------
+def selective_log_softmax(logits, index):
+    # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax
+    shape = index.shape
+    logits, index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1)      # [N, V], [N]
+    out = []
+    for s in range(0, logits.shape[0], 1024):
+        z = logits[s:s + 1024].float()
+        out.append(z.gather(-1, index[s:s + 1024, None]).squeeze(-1) - torch.logsumexp(z, dim=-1))
+    return torch.cat(out).view(shape)
+
+
+def entropy_from_logits(logits, chunk_size=128):
+    # H = logsumexp(z) - sum_v softmax(z)_v * z_v, over chunks of rows of the flattened [N, V]
+    # logits
+    flat = logits.reshape(-1, logits.shape[-1])                                   # [N, V]
+    chunks = []
+    for s in range(0, flat.shape[0], chunk_size):
+        z = flat[s:s + chunk_size].float()
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
+    # logits.shape without V
+    return torch.cat(chunks).view(logits.shape[:-1])
+
+
+def lm_logits(model, hidden):
+    # z = lm_head(h), then what the model's own forward applies after it: Cohere z * logit_scale,
+    # Granite z / logits_scaling, Gemma-2/3 cap * tanh(z / cap). check_output_head() refuses any
+    # other.
+    config = model.config.get_text_config()
+    z = model.get_output_embeddings()(hidden)
+    if getattr(config, "logit_scale", None) is not None:
+        z = z * config.logit_scale
+    if getattr(config, "logits_scaling", None) is not None:
+        z = z / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):
+        z = torch.tanh(z / config.final_logit_softcapping) * config.final_logit_softcapping
+    return z
+
+
+def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entropy_chunk_size,
+                         with_entropy=True):
+    """One chunk: hidden [c, H] -> logits [c, V] (they exist only inside this chunk). lm_head:
+    anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear).
+    sampling: temperature, top_k, top_p of the distribution to score (top_k 0, top_p 1: the full
+    one)."""
+    # [c, V]: the one fp32 copy (bf16 under autocast)
+    logits = lm_head(hidden).float()
+    if sampling["temperature"] != 1.0:
+        # in place: no second [c, V] tensor (nothing saved it)
+        logits.div_(sampling["temperature"])
+    # sampling replay: score under the truncation the sampler used, renormalized over the kept set
+    # (the sampled token always kept): logp = z[o] - logsumexp(z[kept])
+    scored = truncate_logits(logits, sampling["top_k"], sampling["top_p"], keep=targets)
+    logps = selective_log_softmax(scored, targets)
+    if not with_entropy:
+        return logps, torch.zeros_like(logps.detach())
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        # only logged: no graph at all (detached, no_grad); a bonus: in the graph, recomputed in
+        # backward. The entropy is the full (tempered) distribution's, truncated or not
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach(),
+                                      entropy_chunk_size)
+    return logps, entropy
+
+
+def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
+                     top_k=0,
+                     top_p=1.0, chunk_size=0, entropy_grad=False, entropy_chunk_size=128,
+                     with_entropy=True):
+    """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states
+    through lm_head in chunks of chunk_size tokens (0: auto_chunk_tokens(V)), so [rows, T, V] logits
+    never exist at once. temperature, top_k, top_p: the distribution scored (truncate_logits); top_k
+    0 and top_p 1 score the full one. Call it with the DDP-wrapped model: its forward is what makes
+    DDP all-reduce the gradients. Without grad (reference, old log-probs) it runs the decoder alone,
+    which keeps no layer's hidden states but the last.
+
+    Returns logps [rows, T], entropy [rows, T] (graph only if entropy_grad), router aux loss (MoE)
+    or None."""
+    T = num_completion_tokens
+    # as generate() computes them
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False)
+    moe, aux = hasattr(unwrap(model).config, "router_aux_loss_coef"), None
+    # FSDP: only the root's forward gathers embeddings and norm
+    if torch.is_grad_enabled() or is_fsdp(model):
+        # logits_to_keep=1: the model's own lm_head runs on the last position only ([rows, 1, V],
+        # not [rows, P+T, V]); the log-probs come from the hidden states through lm_head in chunks
+        # below
+        out = model(**inputs, output_hidden_states=True, logits_to_keep=1,
+                    **({"output_router_logits": True} if moe else {}))
+        hidden, aux = out.hidden_states[-1], getattr(out, "aux_loss", None) if moe else None
+    else:
+        hidden = unwrap(model).get_decoder()(**inputs).last_hidden_state
+    # [rows, T, H]: state before token t
+    hidden = hidden[:, -T - 1:-1, :]
+    targets = input_ids[:, -T:]                                                   # [rows, T]
+    # lm_head + the model's post-processing
+    head = functools.partial(lm_logits, unwrap(model))
+    # truncating holds a few more [c, V] tensors (the sort's values and indices, a mask): a smaller
+    # auto chunk
+    truncating = top_k > 0 or top_p < 1.0
+    vocab = unwrap(model).get_output_embeddings().weight.shape[0]
+    chunk_size = chunk_size or auto_chunk_tokens(vocab) // (4 if truncating else 1) or 1
+    logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature, top_k=top_k,
+                                   top_p=top_p,
+                                   chunk_size=chunk_size, entropy_grad=entropy_grad,
+                                   entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
+    return logps, entropy, aux
+
+# The largest tensor of a step is one chunk's logits, [tokens, V]: bounded in bytes, it does not
+# grow with the vocabulary (a fixed token count would be 622 MB at 1,024 x 151,936 in fp32, 2.5x
+# that with its gradient)
+LOGITS_BUDGET_MIB = 64
+
+
+def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
+    # tokens = budget / (V x 4 bytes of fp32 logits), at least 1
+    return max(1, budget_mib * 2**20 // (vocab_size * 4))
+
+
+def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size=1024,
+                  entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
+    """hidden [rows, T, H] -> logps, entropy [rows, T], chunk_size tokens of logits at a time: the
+    largest logits tensor is [chunk_size, V] however many rows there are."""
+    rows, T = targets.shape
+    flat_hidden = hidden.reshape(rows * T, hidden.shape[-1])                      # [N, H]
+    flat_targets = targets.reshape(rows * T)                                      # [N]
+    logps, entropy = [], []
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    for s in range(0, rows * T, chunk_size):
+        h, y = flat_hidden[s:s + chunk_size], flat_targets[s:s + chunk_size]
+        # keep only the chunk's inputs; recompute its logits in backward
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, sampling, entropy_grad,
+                                 entropy_chunk_size, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logps_entropy(lm_head, h, y, sampling, False, entropy_chunk_size,
+                                           with_entropy)
+        logps.append(lp)
+        entropy.append(ent)
+    return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T)
+
+
+# --------------------------------------------------------------------------------------------------
+# Steps 8-9, 11. The objective, the mismatch correction, the entropy coefficient
+# --------------------------------------------------------------------------------------------------
+def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1,
+              accum_steps=1):
+    """Turn a per-token quantity [rows, T] into the scalar the loss uses (step 9's table in the
+    README)."""
+    total = per_token * mask
+    if loss_type == "grpo":     # mean_i [ sum_t L m / max(sum_t m, 1) ] / S
+        return (total.sum(1) / mask.sum(1).clamp(min=1)).mean() / accum_steps
+    if loss_type == "bnpo":     # sum L m / max(sum m, 1) / S   (this rank's micro-batch)
+        return total.sum() / mask.sum().clamp(min=1) / accum_steps
+    if loss_type == "dr_grpo":  # sum L m / (rows * L_max) / S
+        return total.sum() / (mask.shape[0] * (max_gen_len or mask.shape[1])) / accum_steps
+    # sum L m / (N / world_size): N = masked tokens of the whole step, all ranks
+    if loss_type in ("dapo", "cispo"):
+        n = num_items if num_items is not None else mask.sum()
+        return total.sum() / max(float(n) / world_size, 1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
+
+
+def importance_weights(ratio, kind, cap):
+    # the sampler drew o from pi_sampler, the loss scores pi_trainer: rho = exp(logp_trainer -
+    # logp_sampler), and tis: w = min(rho, C) (truncated importance sampling); mis: w = 1[1/C <= rho
+    # <= C] (masked); none: w = 1
+    if kind == "tis":
+        return torch.clamp(ratio, max=cap)
+    if kind == "mis":
+        return ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
+    return None
+
+
+def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high,
+              ref_logps=None, beta=0.0,
+              max_gen_len=None, num_items=None, world_size=1, entropy=None, entropy_coef=0.0,
+              accum_steps=1,
+              is_weight=None):
+    """logps/old_logps/ref_logps/mask/entropy/is_weight: [rows, T]; advantages: [rows]. Returns
+    (loss, stats). old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy.
+    is_weight: a detached per-token weight of the policy term (importance_weights: the
+    sampler/trainer mismatch correction)."""
+    assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) has zero gradient"
+    mask = mask.to(logps.dtype)
+    A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
+    # r = exp(logp - old): value 1 on-policy, gradient r * dlogp (old carries no graph)
+    ratio = torch.exp(logps - old_logps)
+    if loss_type == "cispo":
+        # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free importance weight on a
+        # REINFORCE term
+        pg = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
+        clipped = ratio > epsilon_high
+    else:
+        # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
+        pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
+        clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
+    if is_weight is not None:
+        assert not is_weight.requires_grad, "the importance weight is a constant: sg(w)"
+        pg = is_weight * pg                                                       # L <- sg(w) * L
+    per_token = pg  # the policy-gradient term; the KL and entropy terms join it below
+    norm = dict(loss_type=loss_type, max_gen_len=max_gen_len, num_items=num_items,
+                world_size=world_size,
+                accum_steps=accum_steps)
+    stats = {}
+    if beta > 0:
+        # k3: KL = exp(ref - logp) - (ref - logp) - 1, added as + beta * KL
+        delta = ref_logps - logps
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + beta * kl
+        # logged: a sum and a count
+        stats["kl_sum"] = (kl * mask).sum().detach()
+        stats["kl"] = stats["kl_sum"] / mask.sum().clamp(min=1)
+    if entropy is not None and entropy_coef != 0.0:
+        # loss <- loss - alpha * H
+        per_token = per_token - entropy_coef * entropy
+    loss = aggregate(per_token, mask, **norm)
+    stats["policy_loss"] = aggregate(pg.detach(), mask, **norm)
+    stats["clip_ratio"] = (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
+    return loss, stats
+
+
+def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_max):
+    # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min); applied alpha = c if
+    # H_w < target else 0
+    if world_entropy < target:
+        new = min(coef + delta, coef_max)
+        return new, new
+    return max(coef - delta, coef_min), 0.0
+
+
+def world_mean(local_sum, local_count, device="cpu"):
+    # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of per-rank
+    # means
+    total, count = world_sum(local_sum, local_count, device=device)
+    return total / max(count, 1.0)
+
+
+def world_std(values, device="cpu"):
+    # unbiased std over all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in
+    # float64
+    s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(),
+                         device=device)
+    return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
+
+
+def world_max(value, device="cpu"):
+    """The largest of each rank's value (identity in a single process)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def world_sum(*values, device="cpu"):
+    """Sum float values over all ranks (identity in a single process)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+# --------------------------------------------------------------------------------------------------
+# Step 13. The update
+# --------------------------------------------------------------------------------------------------
+def lr_factor(step, *, warmup_steps, max_steps, schedule):
+    # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
+    # (constant) or 0.5 (1 + cos(pi * progress)) (cosine), progress = (step - warmup) / (max_steps -
+    # warmup)
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_optimizer(policy, args):
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, warmup_steps=args.warmup_steps, max_steps=args.max_steps, schedule=args.lr_scheduler))
+    return optimizer, scheduler
+
+
+def clipped_optimizer_step(run, grad_clip, loss, state):
+    """Step 13: unscale (fp16), clip the global grad norm, step, zero the gradients. A step whose
+    loss or grad norm is not finite on any rank is skipped on every rank (a world decision), and
+    counted; under fp16 the loss scale then halves on every rank, and doubles after 2,000 good steps
+    in a row (GradScaler's rule)."""
+    policy, optimizer, scaler = unwrap(run.model), run.optimizer, run.scaler
+    # the gradients of the true loss: clipping and the norm see real values
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(),
+                                               grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
+        grad_norm = grad_norm.full_tensor()
+    n_bad = world_sum(not (torch.isfinite(grad_norm) and math.isfinite(loss)), device=run.device)[0]
+    if n_bad == 0:
+        # = optimizer.step() (no rank holds an inf gradient: the world norm is finite)
+        scaler.step(optimizer)
+        scaler.update()
+        state.bad_in_a_row = 0
+    else:
+        state.bad_in_a_row += 1
+        # lower the scale on every rank alike (a rank's own check may have seen no inf)
+        if scaler.is_enabled():
+            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+            scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+# --------------------------------------------------------------------------------------------------
+# One GRPO step: stages 1-13, in order
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class TrainState:
+    """Everything the loop carries from one step to the next (all of it goes into a checkpoint)."""
+    step: int = 0
+    sampler_epoch: int = 0
+    sampler_pos: int = 0
+    entropy_coef: float = 0.0          # c: the adaptive coefficient (or the static alpha)
+    entropy_coef_applied: float = 0.0  # alpha used in the next step's loss
+    world_entropy: float = float("nan")
+    # consecutive steps skipped for a non-finite loss or grad norm
+    bad_in_a_row: int = 0
+    truncated_prompts: int = 0         # prompts left-truncated so far, all ranks
+
+
+@dataclass
+class Run:
+    """What every step uses and no step changes: built once by train(), handed to grpo_step."""
+    # the policy as the loss sees it: the DDP wrapper, or the policy itself
+    model: torch.nn.Module
+    ref_model: object            # frozen reference (beta > 0), else None
+    optimizer: object
+    # torch.amp.GradScaler: dynamic loss scaling under --dtype float16, else inert
+    scaler: object
+    tokenizer: object
+    reward_fns: list
+    weights: list
+    world: int = 1
+    device: str = "cpu"
+
+
+def next_prompts(sampler, train_rows, state, batch_size):
+    """Step 1: this rank's B prompts, in the DistributedSampler's order (a new permutation each
+    epoch)."""
+    sampler.set_epoch(state.sampler_epoch)
+    order = list(sampler)
+    if state.sampler_pos + batch_size > len(order):
+        state.sampler_epoch, state.sampler_pos = state.sampler_epoch + 1, 0
+        sampler.set_epoch(state.sampler_epoch)
+        order = list(sampler)
+    rows = [train_rows[i] for i in order[state.sampler_pos:state.sampler_pos + batch_size]]
+    state.sampler_pos += batch_size
+    return rows
+
+
+def grpo_step(args, run, rows, state):
+    """One step on this rank's B prompts (`run`: model, reference, optimizer, ...). Updates `state`
+    in place and returns the step's metrics (world values)."""
+    t0, G, policy, device = time.time(), args.num_generations, unwrap(run.model), run.device
+    reset_peak_memory(device)
+    # 1. prompts: each repeated G times so a group is contiguous; left-padded, left-truncated
+    rows = [r for r in rows for _ in range(G)]
+    prompt_ids, prompt_mask, n_cut = tokenize_prompts(run.tokenizer, [r["prompt"] for r in rows],
+                                                      args.max_prompt_len, device)  # [rows, P]
+
+    # 2. rollout on the unwrapped policy, no graph: m = 1 up to and including the first EOS, and
+    # the sampler's own log-prob of each token it drew
+    t_gen = time.time()
+    with autocast(args, device):
+        completion_ids, mask, truncated, sampler_logps = rollout(                # [rows, T]
+            policy, prompt_ids, prompt_mask, run.tokenizer, max_gen_len=args.max_gen_len,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            static_cache=use_static_cache(args, device))
+    gen_time = time.time() - t_gen
+
+    # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i)
+    completions = decode_completions(run.tokenizer, completion_ids, mask)
+    rewards = compute_rewards(run.reward_fns, run.weights, completions, rows)      # [rows]
+    # 4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4); batch: all ranks' reward std
+    batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
+    advantages = compute_advantages(rewards, G, args.scale_rewards, batch_std).to(device)  # [rows]
+    if args.mask_truncated_completions:  # no EOS: the reward stands, the tokens count for nothing
+        mask = mask * (~truncated).unsqueeze(1)
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)                       # [rows, P + T]
+    attention_mask = torch.cat([prompt_mask, mask], 1)
+    T = completion_ids.shape[1]
+
+    # 5-6. reference and old log-probs: plain tensors, no graph (old only when mu > 1; else the
+    # loss uses logps.detach())
+    lp_kw = dict(chunk_size=args.logp_chunk_size, **scored_distribution(args))
+    with torch.no_grad(), autocast(args, device):
+        ref_logps = (completion_logps(run.ref_model, input_ids, attention_mask, T, **lp_kw)[0]
+                     if run.ref_model is not None else None)
+        old_logps = (completion_logps(run.model, input_ids, attention_mask, T, **lp_kw)[0]
+                     if args.num_iterations > 1 else None)
+    num_items = world_sum(mask.sum().item(), device=device)[0]   # N: masked tokens, all ranks
+
+    # 7-13. mu updates per rollout, each: current log-probs through the wrapper (7), the per-token
+    # objective with the alpha set after the previous step (8-11), the MoE router loss (12),
+    # backward, clip, AdamW (13)
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
+                 advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
+                 sampler_logps=sampler_logps, num_items=num_items)
+    for it in range(args.num_iterations):
+        sums = accumulate_gradients(run, batch, args, state.entropy_coef_applied)
+        if it == 0:  # the policy that sampled: its entropy and its mismatch with the sampler
+            first = sums
+        grad_norm = clipped_optimizer_step(run, args.grad_clip, sums["loss"], state)
+
+    # after the update: step 11's rule sets the next step's alpha from one world entropy (a sum
+    # and a count, of the policy that sampled), so every rank holds the same c
+    state.world_entropy = world_mean(first["entropy_sum"], mask.sum().item(), device=device)
+    coef_used = state.entropy_coef_applied
+    if args.use_adaptive_entropy:
+        state.entropy_coef, state.entropy_coef_applied = update_entropy_coef(
+            state.entropy_coef, state.world_entropy, target=args.entropy_target,
+            delta=args.entropy_coef_delta, coef_min=args.entropy_coef_min,
+            coef_max=args.entropy_coef_max)
+
+    # log: world values (sums and counts over the ranks, or the world's min and max)
+    record = step_metrics(run, state, rewards, advantages, mask, truncated, sums, first,
+                          n_cut // G, G, num_items)
+    dt = time.time() - t0
+    record.update(entropy_coef_applied=coef_used, grad_norm=grad_norm.item(), step_time=dt,
+                  generate_time=gen_time, generate_share=gen_time / dt,
+                  tokens_per_s=num_items / dt, peak_mem_gib=peak_memory_gib(device))
+    if run.scaler.is_enabled():
+        record["loss_scale"] = run.scaler.get_scale()
+    return record
+
+
+def scored_distribution(args):
+    """The distribution the trainer scores tokens under: the sampler's (replay), or the full
+    tempered one."""
+    replay = args.sampling_replay
+    return dict(temperature=args.temperature, top_k=args.top_k if replay else 0,
+                top_p=args.top_p if replay else 1.0)
+
+
+def accumulate_gradients(run, batch, args, entropy_coef):
+    """Steps 7-12 over S micro-batches: current log-probs through `run.model` (the DDP wrapper), the
+    loss, backward. Gradients add up over micro-batches; DDP all-reduces them on the last one
+    only."""
+    model, world = run.model, run.world
+    rows, width = batch["input_ids"].shape
+    # a world decision: every rank runs the same number of micro-steps (FSDP gathers in each one's
+    # forward)
+    widest = world_max(width, device=batch["input_ids"].device)
+    micro = args.micro_batch_size or auto_micro_batch(rows, widest, args)
+    # accumulation micro-steps
+    S = rows // micro
+    T = batch["mask"].shape[1]
+    sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
+            "entropy_sum": 0.0,
+            "diff_sum": 0.0, "diff_max": 0.0, "ratio_sum": 0.0, "ratio_max": -math.inf,
+            "neg_ratio_min": -math.inf}
+    for m in range(S):
+        sl = slice(m * micro, (m + 1) * micro)
+        if isinstance(model, DDP):
+            model.require_backward_grad_sync = m == S - 1
+        elif is_fsdp(model):  # FSDP: accumulate unsharded gradients, reduce-scatter on the last
+            model.set_requires_gradient_sync(m == S - 1)
+        # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper; entropy in the graph only if
+        # it is used
+        with autocast(args, batch["input_ids"].device):
+            logps, entropy, aux = completion_logps(model, batch["input_ids"][sl],
+                                                   batch["attention_mask"][sl], T,
+                                                   chunk_size=args.logp_chunk_size,
+                                                   entropy_grad=entropy_coef != 0.0,
+                                                   entropy_chunk_size=args.entropy_chunk_size,
+                                                   **scored_distribution(args))
+        old = batch["old_logps"][sl] if batch["old_logps"] is not None else logps.detach()
+        ref = batch["ref_logps"][sl] if batch["ref_logps"] is not None else None
+        # the sampler's log-prob against the trainer's (old: the weights that sampled): rho =
+        # exp(old - sampler)
+        mask = batch["mask"][sl]
+        gap = torch.where(mask.bool(), old - batch["sampler_logps"][sl], 0.0)      # [micro, T]
+        rho = torch.exp(gap)
+        # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
+        loss, stats = grpo_loss(logps, old, batch["advantages"][sl], mask, loss_type=args.loss_type,
+                                epsilon=args.epsilon, epsilon_high=args.epsilon_high, ref_logps=ref,
+                                beta=args.beta, max_gen_len=args.max_gen_len,
+                                num_items=batch["num_items"],
+                                world_size=world, entropy=entropy, entropy_coef=entropy_coef,
+                                accum_steps=S,
+                                is_weight=importance_weights(rho, args.is_correction, args.is_cap))
+        # 12. MoE router load-balancing loss, scaled by the config's coefficient
+        if aux is not None:
+            loss = loss + unwrap(model).config.router_aux_loss_coef * aux / S
+            sums["aux"] += aux.item() / S
+        # fp16: loss x scale, so small gradients do not flush to zero
+        run.scaler.scale(loss).backward()
+        sums["loss"] += loss.item()
+        sums["policy_loss"] += stats["policy_loss"].item()
+        sums["kl_sum"] += stats.get("kl_sum", torch.tensor(0.0)).item()
+        sums["clip"] += stats["clip_ratio"].item() / S
+        sums["entropy_sum"] += (entropy.detach() * mask).sum().item()
+        on = mask.bool()
+        if on.any():
+            sums["diff_sum"] += gap.abs().sum().item()
+            sums["diff_max"] = max(sums["diff_max"], gap.abs().max().item())
+            sums["ratio_sum"] += rho[on].sum().item()
+            sums["ratio_max"] = max(sums["ratio_max"], rho[on].max().item())
+            sums["neg_ratio_min"] = max(sums["neg_ratio_min"], -rho[on].min().item())
+    return sums
+
+
+def auto_micro_batch(rows, width, args):
+    """Rows per micro-batch when --micro_batch_size is 0: all of them for the built-in model; for a
+    real model the largest divisor of rows whose micro-batch holds at most --micro_batch_tokens
+    tokens."""
+    if not args.model_name_or_path:
+        return rows
+    fits = [d for d in range(1, rows + 1) if rows % d == 0 and d * width <= args.micro_batch_tokens]
+    return max(fits or [1])
+
+
+def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, prompts_cut, G,
+                 num_items):
+    """The step's record: world values (sums and counts over ranks, or the world's min and max)."""
+    world, device = run.world, run.device
+    (r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut, diff,
+     ratio) = world_sum(
+        rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(), mask.sum(1).float().mean(),
+        truncated.float().mean(), (rewards.view(-1, G).std(1) == 0).float().mean(), sums["loss"],
+        sums["policy_loss"], sums["kl_sum"], sums["clip"], sums["aux"], prompts_cut,
+        first["diff_sum"],
+        first["ratio_sum"], device=device)
+    state.truncated_prompts += int(cut)
+    diff_max, ratio_max, neg_ratio_min = (world_max(first[k], device=device)
+                                          for k in ("diff_max", "ratio_max", "neg_ratio_min"))
+    record = {"reward": r_mean / world,
+              "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
+              "frac_reward_zero_std": zero_std / world, "advantage_std": math.sqrt(adv_sq / world),
+              "loss": loss / world, "policy_loss": pl / world,
+              "kl": kl / max(num_items, 1.0),  # a masked mean over all tokens of all ranks
+              "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
+              "clip_ratio": clip / world,
+              "completion_len": c_len / world, "truncated_frac": trunc / world,
+              # the sampler vs the trainer, per masked token: |old logp - sampler logp| and rho =
+              # exp(difference)
+              "sampler_logp_diff_mean": diff / max(num_items, 1.0),
+              "sampler_logp_diff_max": diff_max,
+              "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio / max(num_items, 1.0),
+              "is_ratio_max": ratio_max,
+              "skipped_steps_in_a_row": state.bad_in_a_row,
+              "truncated_prompts": state.truncated_prompts}
+    if is_moe(run.model):
+        record["aux_loss"] = aux / world
+    return record
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+def train(args, rank, world, device):
+    master, started = rank == 0, time.time()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+
+    # --- model, data, DDP, reference, optimizer ---
+    policy, tokenizer = load_model_and_tokenizer(args, device)
+    task = load_task(args, tokenizer, world)
+    train_rows, eval_rows, reward_fns, weights, (eval_key, score) = task
+    if master:
+        print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never "
+              "trained on")
+    sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
+                                 shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    model = policy
+    if world > 1:
+        model = shard_fsdp(policy, args, world) if args.fsdp else wrap_ddp(policy, device)
+    if not args.model_name_or_path and args.sft_warmup_steps > 0:
+        # deterministic, so a resumed run redoes it and gets the same reference model
+        sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
+    ref_model = None
+    if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
+        ref_model = frozen_copy(policy, getattr(torch, args.dtype))
+    optimizer, scheduler = build_optimizer(policy, args)
+    # fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none); inert otherwise
+    scaler = torch.amp.GradScaler(torch.device(device).type, enabled=args.dtype == "float16")
+    run = Run(model, ref_model, optimizer, scaler, tokenizer, reward_fns, weights, world, device)
+
+    # --- fresh start (with the eval before any update), or resume from a checkpoint ---
+    state, metrics_path, (report, close_report) = start_or_resume(
+        args, run, scheduler, eval_rows, score, eval_key, rank)
+
+    # --- the loop: prompts, one GRPO step, schedule, evaluate, log, save ---
+    model.train()
+    warned_cut = False
+    bar = tqdm(range(state.step + 1, args.max_steps + 1), initial=state.step, total=args.max_steps,
+               disable=not master, desc="grpo")
+    for step in bar:
+        state.step = step
+        rows = next_prompts(sampler, train_rows, state, args.batch_size)
+        cut_before = state.truncated_prompts
+        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
+        record = {"step": step, **grpo_step(args, run, rows, state), "lr": lr}
+        scheduler.step()
+        if state.truncated_prompts > cut_before and not warned_cut and master:
+            print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are "
+                  "left-truncated")
+            warned_cut = True
+        if state.bad_in_a_row >= 3:
+            last = find_checkpoint(args.save_dir) or "none"
+            raise TrainerError(f"step {step}: loss or grad norm not finite for 3 steps in a row; "
+                               f"stopping (last good checkpoint: {last})")
+        if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
+            record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world,
+                                        device)
+        log_metrics(metrics_path, record, rank, report)
+        bar.set_postfix(reward=f"{record['reward']:.3f}", eval=record.get(eval_key, ""),
+                        gen=f"{record['generate_share']:.0%}", mem=f"{record['peak_mem_gib']:.1f}G",
+                        is_max=f"{record['is_ratio_max']:.3f}")
+        stopping = args.stop_after and step >= args.stop_after
+        periodic = args.save_interval and step % args.save_interval == 0
+        if periodic or step == args.max_steps or stopping:
+            save(args, run, scheduler, state, rank)
+        if stopping:
+            break
+
+    finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank)
+    if close_report is not None:
+        close_report()
+    barrier()
+    return {"model": policy, "step": state.step, "entropy_coef": state.entropy_coef,
+            "entropy_coef_applied": state.entropy_coef_applied,
+            "world_entropy": state.world_entropy}
+
+
+# ==================================================================================================
+# PLUMBING: nothing below is GRPO. Flags, tasks and data, models, DDP/FSDP, checkpoints, reporting.
+# ==================================================================================================
+
+
+# --------------------------------------------------------------------------------------------------
+# Flags: checked before any work; a problem is one line `error: ...`
+# --------------------------------------------------------------------------------------------------
 class TrainerError(Exception):
     """A problem with the user's input: reported as one line `error: ...`, never a traceback."""
 
 
 def one_line(e):
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """--help shows each flag's default as Python writes it ('' for an empty string)."""
+    def _get_help_string(self, action):
+        if action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return action.help
+        return f"{action.help} (default: {action.default!r})"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -160,19 +1023,30 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(defaults=True):
-    parser = OneLineParser(description="GRPO trainer: one file, every formula tested (see README.md)")
-    for f in dataclasses.fields(Args):
-        parser.add_argument(f"--{f.name}", type=type(f.default),
-                            default=f.default if defaults else argparse.SUPPRESS,
-                            choices=f.metadata.get("choices"), help=f.metadata["help"])
+    """One flag per Args field, in the groups Args' comments name; --help shows each default."""
+    parser = OneLineParser(description="GRPO trainer: one file, every formula tested (README.md)",
+                           formatter_class=DefaultsHelp)
+    fields, group = {f.name: f for f in dataclasses.fields(Args)}, parser
+    for line in inspect.getsource(Args).splitlines():
+        comment, name = re.fullmatch(r"    # (.+)", line), re.match(r"    (\w+): \w+ = opt\(", line)
+        if comment:
+            group = parser.add_argument_group(comment.group(1))
+        elif name:
+            f = fields.pop(name.group(1))
+            group.add_argument(f"--{f.name}", type=type(f.default),
+                               default=f.default if defaults else argparse.SUPPRESS,
+                               choices=f.metadata.get("choices"), help=f.metadata["help"])
+    assert not fields, f"Args fields not declared as `name: type = opt(...)`: {sorted(fields)}"
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
     values = vars(parser.parse_args(argv))
-    given = vars(build_parser(defaults=False).parse_args(argv))  # only the flags on the command line
-    for name, value in TASK_DEFAULTS.get(values["dataset"], {}).items():  # a task's own sizes, unless given
+    # only the flags on the command line
+    given = vars(build_parser(defaults=False).parse_args(argv))
+    # a task's own sizes, unless given
+    for name, value in TASK_DEFAULTS.get(values["dataset"], {}).items():
         if name not in given:
             values[name] = value
     args = Args(**values)
@@ -184,12 +1058,15 @@ def parse_args(argv=None):
 
 
 def check_args(args):
-    """Every flag against what it means, before any work: yields one message per problem, naming the flag."""
+    """Every flag against what it means, before any work: yields one message per problem, naming the
+    flag."""
     a = args
     rules = [  # (the condition that must hold, the message when it does not)
-        (a.rollout_engine == "torch", f"--rollout_engine {a.rollout_engine} is not available; the only engine "
+        (a.rollout_engine == "torch",
+         f"--rollout_engine {a.rollout_engine} is not available; the only engine "
                                       "is 'torch'"),
-        (a.num_generations >= 2, f"--num_generations must be >= 2 (a group of one has no baseline), got "
+        (a.num_generations >= 2,
+         f"--num_generations must be >= 2 (a group of one has no baseline), got "
                                  f"{a.num_generations}"),
         *[(getattr(a, n) > 0, f"--{n} must be > 0, got {getattr(a, n)}")
           for n in ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
@@ -197,41 +1074,49 @@ def check_args(args):
                     "micro_batch_tokens",
                     "temperature")],
         *[(getattr(a, n) >= 0, f"--{n} must be >= 0, got {getattr(a, n)}")
-          for n in ("micro_batch_size", "logp_chunk_size", "top_k", "beta", "weight_decay", "warmup_steps", "grad_clip",
+          for n in ("micro_batch_size", "logp_chunk_size", "top_k", "beta", "weight_decay",
+                    "warmup_steps", "grad_clip",
                     "sft_warmup_steps", "save_interval", "eval_interval", "eval_size", "stop_after",
                     "entropy_coef_delta", "entropy_coef_min", "entropy_target")],
         (not a.micro_batch_size or (a.batch_size * a.num_generations) % a.micro_batch_size == 0,
          f"--micro_batch_size {a.micro_batch_size} must divide batch_size * num_generations = "
          f"{a.batch_size * a.num_generations}"),
         (0 <= a.epsilon < 1, f"--epsilon must be in [0, 1), got {a.epsilon}"),
-        (a.epsilon_high >= 0 or a.epsilon_high == -1.0, f"--epsilon_high must be >= 0 (or -1: default), "
+        (a.epsilon_high >= 0 or a.epsilon_high == -1.0,
+         f"--epsilon_high must be >= 0 (or -1: default), "
                                                         f"got {a.epsilon_high}"),
         (0 < a.top_p <= 1, f"--top_p must be in (0, 1], got {a.top_p}"),
         (a.is_cap > 1, f"--is_cap must be > 1, got {a.is_cap}"),
-        (a.entropy_coef_min <= a.entropy_coef_max, f"--entropy_coef_min {a.entropy_coef_min} must be <= "
+        (a.entropy_coef_min <= a.entropy_coef_max,
+         f"--entropy_coef_min {a.entropy_coef_min} must be <= "
                                                    f"--entropy_coef_max {a.entropy_coef_max}"),
-        *[(math.isfinite(getattr(a, f.name)), f"--{f.name} must be a finite number, got {getattr(a, f.name)}")
+        *[(math.isfinite(getattr(a, f.name)),
+           f"--{f.name} must be a finite number, got {getattr(a, f.name)}")
           for f in dataclasses.fields(a) if f.type is float],
         (a.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA GPU is visible"),
-        (a.dataset or not a.model_name_or_path, "--model_name_or_path needs --dataset (the built-in task "
+        (a.dataset or not a.model_name_or_path,
+         "--model_name_or_path needs --dataset (the built-in task "
                                                 "uses its own tiny tokenizer)"),
-        (a.model_name_or_path or not a.dataset, f"--dataset {a.dataset} needs --model_name_or_path (the built-in "
-                                                "tiny model knows only the reversal task's characters)"),
+        (a.model_name_or_path or not a.dataset,
+         f"--dataset {a.dataset} needs --model_name_or_path (the built-in tiny model knows only "
+         "the reversal task's characters)"),
         (not os.path.isfile(a.save_dir), f"--save_dir {a.save_dir} is a file, not a directory"),
-        (a.resume in ("", "auto") or os.path.isdir(a.resume), f"--resume {a.resume}: no such checkpoint "
-                                                               "directory"),
+        (a.resume in ("", "auto") or os.path.isdir(a.resume),
+         f"--resume {a.resume}: no such checkpoint directory"),
     ]
     yield from (message for ok, message in rules if not ok)
     if a.reward_weights:
         try:
             weights = [float(w) for w in a.reward_weights.split(",")]
         except ValueError:
-            yield f"--reward_weights {a.reward_weights!r}: expected comma-separated numbers such as 1,0.1"
+            yield (f"--reward_weights {a.reward_weights!r}: expected comma-separated numbers such "
+                   "as 1,0.1")
             return
-        names = a.reward_funcs.split(",") if a.reward_funcs else [f.__name__ for f in task_rewards(a)[0]]
+        names = (a.reward_funcs.split(",") if a.reward_funcs else
+                 [f.__name__ for f in task_rewards(a)[0]])
         if len(weights) != len(names) or not all(map(math.isfinite, weights)):
-            yield (f"--reward_weights has {len(weights)} value(s) for {len(names)} reward function(s) "
-                   f"({', '.join(names)}), each finite")
+            yield (f"--reward_weights has {len(weights)} value(s) for {len(names)} reward "
+                   f"function(s) ({', '.join(names)}), each finite")
     for item in filter(None, a.reward_funcs.split(",")):
         path = item.strip().rpartition(":")[0]
         if path and not os.path.isfile(path):
@@ -250,53 +1135,34 @@ def check_paths(a):
             yield f"--model_name_or_path {a.model_name_or_path}: no such file"
         for package in ("gguf", "accelerate"):  # transformers reads GGUF through both
             if importlib.util.find_spec(package) is None:
-                yield (f"--model_name_or_path {a.model_name_or_path}: reading a GGUF file needs the {package} "
-                       f"package (pip install gguf accelerate)")
+                yield (f"--model_name_or_path {a.model_name_or_path}: reading a GGUF file needs "
+                       f"the {package} package (pip install gguf accelerate)")
     elif a.model_name_or_path and looks_local:
         if not os.path.isdir(path):
             yield f"--model_name_or_path {a.model_name_or_path}: no such directory"
         elif not os.path.isfile(os.path.join(path, "config.json")):
             yield f"--model_name_or_path {a.model_name_or_path}: no config.json in this directory"
-        elif not [f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".safetensors.index.json",
-                                                             ".bin.index.json"))]:
-            yield f"--model_name_or_path {a.model_name_or_path}: no model weights (*.safetensors, *.bin) here"
+        elif not [f for f in os.listdir(path) if f.endswith(
+                (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))]:
+            yield (f"--model_name_or_path {a.model_name_or_path}: no model weights "
+                   "(*.safetensors, *.bin) here")
     data = os.path.expanduser(a.dataset)
     if a.dataset and os.path.isdir(data):
-        yield f"--dataset {a.dataset} is a directory; give a .jsonl/.json/.parquet file or a hub name"
-    elif a.dataset and a.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(data):
+        yield (f"--dataset {a.dataset} is a directory; give a .jsonl/.json/.parquet file or a hub "
+               "name")
+    elif a.dataset and a.dataset.endswith((".jsonl", ".json",
+                                           ".parquet")) and not os.path.isfile(data):
         yield f"--dataset {a.dataset}: no such file"
-# ----------------------------------------------------------------------------------------------------
-# Model, tokenizer and data
-# ----------------------------------------------------------------------------------------------------
-def build_char_tokenizer(chars):
-    """A character-level tokenizer made in-process: one token per character, plus <pad> <eos> <unk>."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + list(chars))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character is a token
-    tok.decoder = decoders.Fuse()  # decode joins characters without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>", padding_side="left")
 
 
-def build_tiny_model(vocab_size, use_moe, tokenizer):
-    """A ~0.1M-parameter Qwen3 (dense) or Qwen3-MoE causal LM from a config: no download."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=True,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    if use_moe:
-        config = Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                                decoder_sparse_step=1, router_aux_loss_coef=0.01, **common)
-        return Qwen3MoeForCausalLM(config)
-    return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common))
-
-
-# The built-in task: reverse a string of letters, "cabd=" -> "dbac". Its reward is checked by code (the
-# share of characters in the right place), it has a held-out split of strings never trained on, and a
-# 2-layer model can solve it, so a few minutes on a CPU show whether the algorithm learns.
+# --------------------------------------------------------------------------------------------------
+# Tasks and datasets
+# --------------------------------------------------------------------------------------------------
+# The built-in task: reverse a string of letters, "cabd=" -> "dbac". Its reward is checked by code
+# (the share of characters in the right place), it has a held-out split of strings never trained on,
+# and a 2-layer model can solve it, so a few minutes on a CPU show whether the algorithm learns.
 REVERSE_ALPHABET = "abcdefgh"
+
 REVERSE_LEN = 5
 
 
@@ -311,7 +1177,8 @@ def make_reverse_task(eval_size, seed=1234):
 
 
 def reverse_reward(completion, answer):
-    # r = (characters in the right place) / max(len(completion), len(answer)); 1.0 only for an exact match
+    # r = (characters in the right place) / max(len(completion), len(answer)); 1.0 only for an exact
+    # match
     hits = sum(a == b for a, b in zip(completion, answer))
     return hits / max(len(completion), len(answer), 1)
 
@@ -319,19 +1186,21 @@ def reverse_reward(completion, answer):
 def reverse_correct(completion, answer):
     return completion == answer
 
-
 # GSM8K: the reference is the number after "####". The model is asked to end with the same form.
-GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer alone on the "
-                       "last line as '#### <number>'.")
+GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer "
+                       "alone on the last line as '#### <number>'.")
+
 # digits in groups of three may be separated by ',', LaTeX's '{,}' or a space ('1{,}000', '1 000')
 _NUMBER = r"-?[$]?\s*-?(?:\d{1,3}(?:(?:\{,\}| )\d{3})+(?!\d)|\d[\d,]*)(?:\.\d+)?"
 
 
 def parse_number(text):
-    """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact: no float rounding, no eval."""
+    """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact: no float rounding, no
+    eval."""
     if text is None:
         return None
-    t = text.strip().replace("{,}", "").replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    t = text.strip().replace("{,}", "").replace(",", "").replace("$", "").replace(" ", "")
+    t = t.rstrip(".")
     neg = t.startswith("-")
     t = t.lstrip("-")
     if not re.fullmatch(r"\d+(?:\.\d+)?", t):
@@ -341,7 +1210,8 @@ def parse_number(text):
 
 
 def extract_final_answer(completion):
-    """The completion's answer: a tagged '#### N' (or \\boxed{N}, 'answer is N') wins; else the last number."""
+    """The completion's answer: a tagged '#### N' (or \\boxed{N}, 'answer is N') wins; else the last
+    number."""
     for pattern in (r"####\s*(" + _NUMBER + ")", r"\\boxed\{\s*(" + _NUMBER + r")\s*\}",
                     r"answer is[:\s]*(" + _NUMBER + ")"):
         found = re.findall(pattern, completion, flags=re.IGNORECASE)
@@ -370,12 +1240,11 @@ def gsm8k_format_reward(completion, answer):
 def gsm8k_correct(completion, answer):
     return gsm8k_correct_reward(completion, answer) == 1.0
 
-
-# compare_numbers: the built-in task for a real instruct model ("--dataset compare_numbers"). A chat prompt
-# asks which of two 2-digit numbers is larger and for the number alone. SmolLM2-135M-Instruct answers the
-# question in prose or gets it wrong (greedy: ~8% correct), yet one of 8 samples is right for ~65% of the
-# prompts: the groups carry signal, and GRPO turns it into a short, right answer. The held-out split holds
-# pairs never trained on.
+# compare_numbers: the built-in task for a real instruct model ("--dataset compare_numbers"). A chat
+# prompt asks which of two 2-digit numbers is larger and for the number alone. SmolLM2-135M-Instruct
+# answers the question in prose or gets it wrong (greedy: ~8% correct), yet one of 8 samples is
+# right for ~65% of the prompts: the groups carry signal, and GRPO turns it into a short, right
+# answer. The held-out split holds pairs never trained on.
 COMPARE_NUMBERS = "compare_numbers"
 
 
@@ -383,13 +1252,16 @@ def make_compare_task(eval_size, seed=1234):
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
     rng.shuffle(pairs)
-    rows = [{"prompt": [{"role": "user", "content": f"Which number is larger, {a} or {b}? Answer with the "
-                                                    "number only."}], "answer": max(a, b)} for a, b in pairs]
+    rows = [{"prompt": [{"role": "user",
+                         "content": f"Which number is larger, {a} or {b}? Answer with the "
+                                                    "number only."}], "answer": max(a, b)} for a,
+                                                    b in pairs]
     return rows[eval_size:], rows[:eval_size]
 
 
 def compare_correct_reward(completion, answer):
-    # 1.0 if the first number in the completion is the larger one ("43 is larger than 15": 43), else 0.0
+    # 1.0 if the first number in the completion is the larger one ("43 is larger than 15": 43), else
+    # 0.0
     first = re.search(r"-?\d+", completion)
     return float(first is not None and int(first.group()) == int(answer))
 
@@ -402,15 +1274,16 @@ def compare_format_reward(completion):
     # 1.0 if the completion is a number alone ("43" or "43."), as the prompt asks, else 0.0
     return float(re.fullmatch(r"\s*-?\d+\.?\s*", completion) is not None)
 
-
 # defaults sized for compare_numbers on a 2-core CPU (a flag given on the command line wins)
-TASK_DEFAULTS = {COMPARE_NUMBERS: dict(batch_size=4, num_generations=8, max_gen_len=8, max_prompt_len=128,
-                                       learning_rate=2e-5, max_steps=40, eval_interval=10, eval_size=200)}
+TASK_DEFAULTS = {COMPARE_NUMBERS: dict(batch_size=4, num_generations=8, max_gen_len=8,
+                                       max_prompt_len=128,
+                                       learning_rate=2e-5, max_steps=40, eval_interval=10,
+                                       eval_size=200)}
 
 
 def task_rewards(args):
-    """The reward functions of the task and their default weights: the built-in reversal; compare_numbers'
-    answer + format; GSM8K's answer + format."""
+    """The reward functions of the task and their default weights: the built-in reversal;
+    compare_numbers' answer + format; GSM8K's answer + format."""
     if not args.dataset:
         return [reverse_reward], [1.0]
     if args.dataset == COMPARE_NUMBERS:
@@ -419,16 +1292,16 @@ def task_rewards(args):
 
 
 def load_reward_funcs(spec):
-    """'file.py:name,gsm8k_format_reward' -> functions. A file is imported as a module (its own code, never
-    model text); a bare name is one of this file's reward functions."""
+    """'file.py:name,gsm8k_format_reward' -> functions. A file is imported as a module (its own
+    code, never model text); a bare name is one of this file's reward functions."""
     fns = []
     for item in spec.split(","):
         path, _, name = item.strip().rpartition(":")
         if not path:
             fn = globals().get(name)
             if not name.endswith("_reward") or not callable(fn):
-                raise TrainerError(f"--reward_funcs {item}: no reward function {name!r} in train_grpo.py; "
-                                   "write file.py:name for your own")
+                raise TrainerError(f"--reward_funcs {item}: no reward function {name!r} in "
+                                   "train_grpo.py; write file.py:name for your own")
         else:
             if not os.path.isfile(path):
                 raise TrainerError(f"--reward_funcs {item}: no such file {path}")
@@ -437,7 +1310,8 @@ def load_reward_funcs(spec):
                 module = importlib.util.module_from_spec(spec_)
                 spec_.loader.exec_module(module)
             except Exception as e:
-                raise TrainerError(f"--reward_funcs {item}: importing {path} failed ({one_line(e)})") from None
+                raise TrainerError(f"--reward_funcs {item}: importing {path} failed "
+                                   f"({one_line(e)})") from None
             fn = getattr(module, name, None)
             if not callable(fn):
                 raise TrainerError(f"--reward_funcs {item}: {path} has no function {name!r}")
@@ -454,7 +1328,8 @@ def call_reward(fn, completion, row):
 
 
 def load_rows(args):
-    """Local .jsonl/.json/.parquet or a hub dataset through `datasets.load_dataset`: (train, eval) rows."""
+    """Local .jsonl/.json/.parquet or a hub dataset through `datasets.load_dataset`: (train, eval)
+    rows."""
     import datasets
     name = args.dataset
     if name == COMPARE_NUMBERS:
@@ -470,7 +1345,8 @@ def load_rows(args):
         try:
             splits = datasets.load_dataset(builder, data_files=path)
         except Exception as e:  # a malformed file: say which, in one line
-            raise TrainerError(f"--dataset {name}: could not be read ({type(e).__name__}: {str(e).splitlines()[0]})")
+            raise TrainerError(f"--dataset {name}: could not be read ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0]})")
     else:
         hub_name, config = ("openai/gsm8k", "main") if name == "gsm8k" else (name, None)
         try:
@@ -480,59 +1356,297 @@ def load_rows(args):
                                f"{str(e).splitlines()[0] if str(e) else ''})")
     train = splits["train"] if "train" in splits else splits[list(splits)[0]]
     columns = train.column_names
-    needed = ([args.question_field, args.answer_field] if args.question_field in columns or "prompt" not in columns
+    needed = ([args.question_field,
+               args.answer_field] if args.question_field in columns or "prompt" not in columns
               else ["prompt"])
     missing = [f for f in needed if f not in columns]
     if missing:
-        raise TrainerError(f"--dataset {name}: missing field(s) {', '.join(missing)} (has {', '.join(columns)}); "
-                           f"set --question_field/--answer_field, or give a 'prompt' field")
+        raise TrainerError(f"--dataset {name}: missing field(s) {', '.join(missing)} (has "
+                           f"{', '.join(columns)}); set --question_field/--answer_field, or give "
+                           "a 'prompt' field")
     if len(train) == 0:
         raise TrainerError(f"--dataset {name}: the dataset is empty")
     rows = [dict(r) for r in train]
     if "train" in splits and "test" in splits:
         return rows, [dict(r) for r in splits["test"]][:args.eval_size]
-    # one split only (a file, or a test-only set): hold out its first rows, at most a tenth, and never train on
-    # them
+    # one split only (a file, or a test-only set): hold out its first rows, at most a tenth, and
+    # never train on them
     n_eval = min(args.eval_size, len(rows) // 10) if len(rows) >= 10 else 0
     return rows[n_eval:], rows[:n_eval]
 
 
 def render_prompt(tokenizer, row, args):
-    """A dataset row -> the prompt text: a question goes out with GSM8K's system prompt (format_prompt); a
-    'prompt' field is used as is when it is text, through the chat template when it is chat messages."""
+    """A dataset row -> the prompt text: a question goes out with GSM8K's system prompt
+    (format_prompt); a 'prompt' field is used as is when it is text, through the chat template when
+    it is chat messages."""
     if args.question_field in row:
         return format_prompt(tokenizer, row[args.question_field])
     prompt = row["prompt"]
     if isinstance(prompt, str):
         return prompt
     if not getattr(tokenizer, "chat_template", None):
-        raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no chat template")
+        raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no "
+                           "chat template")
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
 def format_prompt(tokenizer, question):
-    """Through the chat template when the tokenizer has one (system prompt + question), plain text otherwise."""
+    """Through the chat template when the tokenizer has one (system prompt + question), plain text
+    otherwise."""
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT},
+                    {"role": "user", "content": question}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
 
 
-def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
-    """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
-    Returns input_ids [B, P], attention_mask [B, P] and how many prompts were cut."""
-    ids = [tokenizer(p, add_special_tokens=not getattr(tokenizer, "chat_template", None)).input_ids for p in prompts]
-    n_cut = sum(len(x) > max_prompt_len for x in ids)
-    ids = [x[-max_prompt_len:] for x in ids]
-    width = max(len(x) for x in ids)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
-    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
-    return input_ids, attention_mask, n_cut
+def answer_from(fn, field):
+    """fn(completion, answer) reading its answer from the row's `field` column."""
+    def reward(completion, **row):
+        return fn(completion, answer=row[field])
+    reward.__name__ = fn.__name__
+    return reward
+
+
+def load_task(args, tokenizer, world):
+    """Train rows, eval rows (dicts: 'prompt', the rendered text, plus every column of the dataset),
+    reward functions, their weights, and the held-out score: its name and score(completion, row) ->
+    float."""
+    if not args.dataset:
+        train_rows, eval_rows = make_reverse_task(args.eval_size)
+        is_correct = reverse_correct
+    else:
+        # every column reaches the rewards as the dataset has it (an int stays an int); 'prompt'
+        # becomes the text the model is given (a chat prompt rendered through the template)
+        train_rows, eval_rows = ([{**r, "prompt": render_prompt(tokenizer, r, args)} for r in rows]
+                                 for rows in load_rows(args))
+        is_correct = compare_correct if args.dataset == COMPARE_NUMBERS else gsm8k_correct
+    answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
+    reward_fns, weights = task_rewards(args)
+    # the task's own rewards take `answer`: hand them --answer_field's column
+    if answer_key != "answer":
+        reward_fns = [answer_from(fn, answer_key) for fn in reward_fns]
+    if args.reward_funcs:  # your own: weight 1.0 each unless --reward_weights says otherwise
+        reward_fns = load_reward_funcs(args.reward_funcs)
+        weights = [1.0] * len(reward_fns)
+    if args.reward_weights:
+        weights = [float(w) for w in args.reward_weights.split(",")]
+    if len(train_rows) < args.batch_size * world:
+        raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than "
+                           f"batch_size * ranks = {args.batch_size * world}")
+    # your rewards: the held-out score is their weighted sum on greedy completions
+    if args.reward_funcs:
+        def score(text, row):
+            return compute_rewards(reward_fns, weights, [text], [row])[0].item()
+        return train_rows, eval_rows, reward_fns, weights, ("eval_reward", score)
+    score = lambda text, row: float(is_correct(text, row[answer_key]))
+    return train_rows, eval_rows, reward_fns, weights, ("eval_accuracy", score)
+
+
+# --------------------------------------------------------------------------------------------------
+# Models: the built-in tiny one, pretrained ones, the frozen reference, the warm start
+# --------------------------------------------------------------------------------------------------
+def build_char_tokenizer(chars):
+    """A character-level tokenizer made in-process: one token per character, plus <pad> <eos>
+    <unk>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + list(chars))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    # every character is a token
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # decode joins characters without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def build_tiny_model(vocab_size, use_moe, tokenizer):
+    """A ~0.1M-parameter Qwen3 (dense) or Qwen3-MoE causal LM from a config: no download."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                  tie_word_embeddings=True,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=None)
+    if use_moe:
+        config = Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=4,
+                                num_experts_per_tok=2,
+                                decoder_sparse_step=1, router_aux_loss_coef=0.01, **common)
+        return Qwen3MoeForCausalLM(config)
+    return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common))
+
+
+def is_moe(model):
+    return hasattr(unwrap(model).config, "router_aux_loss_coef")
+
+
+def load_model_and_tokenizer(args, device):
+    """The built-in tiny model and character tokenizer, or from_pretrained of
+    --model_name_or_path."""
+    if not args.model_name_or_path:
+        tokenizer = build_char_tokenizer(REVERSE_ALPHABET + "=")
+        model = build_tiny_model(len(tokenizer), args.use_moe, tokenizer)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        name, remote = args.model_name_or_path, bool(args.trust_remote_code)
+        where, gguf = name, {}
+        # transformers reads weights, tokenizer and chat template from the file
+        if name.endswith(".gguf"):
+            where, file = os.path.split(os.path.abspath(os.path.expanduser(name)))
+            gguf = {"gguf_file": file}
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=remote, **gguf)
+            model = AutoModelForCausalLM.from_pretrained(
+                where, dtype=torch.float32, trust_remote_code=remote, **gguf)
+        except Exception as e:  # missing files, offline hub, unknown architecture: one line
+            raise TrainerError(f"--model_name_or_path {name}: {one_line(e)}") from None
+        if gguf:
+            model = plain_model(model)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if args.use_moe and not is_moe(model):
+            raise TrainerError(f"--use_moe 1 but {name} is a dense model "
+                               f"({model.config.model_type})")
+        # MoE: completion_logps asks the forward for output_router_logits, so the aux loss
+        # arrives; generate() runs without it (its cached one-token steps would not match the
+        # attention mask)
+    # master weights; --dtype is the compute dtype (autocast)
+    model.to(device=device, dtype=torch.float32)
+    disable_dropout(model)
+    check_output_head(model)
+    auto = args.gradient_checkpointing == -1 and args.model_name_or_path
+    if args.gradient_checkpointing == 1 or auto:
+        kwargs = {"use_reentrant": False}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    return model, tokenizer
+
+
+def plain_model(model):
+    """A model read from GGUF holds plain fp32 weights (dequantized on load) but keeps the GGUF
+    quantizer's mark, and save_pretrained refuses it. Rebuilt from its config without the mark, it
+    saves (and checkpoints) as a plain safetensors folder that plain transformers loads."""
+    from transformers import AutoModelForCausalLM
+    config = model.config
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    return plain
+
+
+@torch.no_grad()
+def check_output_head(model):
+    """Log-probs come from lm_logits(last hidden state): refuse a model whose forward does something
+    else."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    # [1, 8] arbitrary tokens
+    ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]
+    was_training = model.training
+    out = model.eval()(input_ids=ids, output_hidden_states=True, use_cache=False)
+    # what the no-grad path reads
+    last = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    model.train(was_training)
+    ours, theirs = lm_logits(model, last).float(), out.logits.float()
+    if not torch.equal(last, out.hidden_states[-1]):
+        raise TrainerError(f"{type(model).__name__}: the decoder's last hidden state is not the "
+                           "forward's last hidden state; train_grpo reads both")
+    if not torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * theirs.abs().max().item()):
+        gap = (ours - theirs).abs().max().item()
+        raise TrainerError(f"{type(model).__name__}'s forward post-processes its logits in a way "
+                           f"train_grpo.lm_logits does not (max difference {gap:.3g}); add it "
+                           "there")
+
+
+def disable_dropout(model):
+    """RL scores the policy that sampled: dropout would make log-probs noisy (ratio != 1 and KL != 0
+    at equal weights), so every dropout probability is set to 0 (module attributes only; the saved
+    config keeps its own)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
+def frozen_copy(policy, dtype):
+    """The reference model: a frozen copy of the policy as it is now, unsharded, that computes
+    exactly what the policy computes at equal weights. Under autocast the policy's Linear layers
+    read a --dtype copy of their fp32 weights; the reference stores just that copy (2 bytes per
+    parameter in bf16) and keeps everything else as the policy has it: embeddings (and an lm_head
+    tied to them), norms, MoE expert tensors and buffers such as RoPE's inv_freq stay fp32. Casting
+    the whole copy instead (`.to(bf16)`) rounds inv_freq, the residual stream and the norms: a
+    reference that never existed, and KL != 0 at step 1. Under FSDP the policy's parameters all
+    arrive in --dtype (its MixedPrecisionPolicy), so the reference's all are."""
+    import copy
+    if not is_fsdp(policy):
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+        embedding = ref.get_input_embeddings().weight
+        for module in ref.modules():
+            # a tied head stays fp32
+            if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
+                module.to(dtype)
+        return ref
+    from transformers import AutoModelForCausalLM
+    full = full_state_dict(policy, every_rank=True)
+    ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
+    disable_dropout(ref)
+    ref.load_state_dict(full)
+    # FSDP's mixed precision gathers every parameter in --dtype (buffers stay fp32)
+    for p in ref.parameters():
+        p.data = p.data.to(dtype)
+    return ref.eval().requires_grad_(False)
+
+
+def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
+    """Built-in task only: a few supervised steps (teacher forcing) so the tiny model earns some
+    reward. The same batch_size rows per step whatever the number of ranks (each takes its share),
+    so the GRPO run under torchrun starts from the warm start of the one-process run."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
+    rng = random.Random(args.seed + 7)
+    for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
+        rows = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size)]
+        rows = rows[rank::world]
+        ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len,
+                                      device)
+        answers = [tokenizer(r["answer"], add_special_tokens=False).input_ids for r in rows]
+        target = torch.tensor([a + [tokenizer.eos_token_id] for a in answers],
+                              device=device)                                      # [B, len+1]
+        with autocast(args, device):
+            logps, _, aux = completion_logps(model, torch.cat([ids, target], 1),
+                                             torch.cat([am, torch.ones_like(target)], 1),
+                                             target.shape[1],
+                                             chunk_size=args.logp_chunk_size)
+        loss = -logps.mean()
+        if aux is not None:
+            loss = loss + aux * unwrap(model).config.router_aux_loss_coef
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Processes and precision: torchrun, DDP, FSDP2, autocast
+# --------------------------------------------------------------------------------------------------
+def setup_distributed(args):
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain `python` is one process. Returns rank, world,
+    device."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        return 0, 1, torch.device(auto if args.device == "auto" else args.device)
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def unwrap(model):
-    # DDP wraps the policy; FSDP2's fully_shard changes the policy in place, so there is nothing to unwrap
+    # DDP wraps the policy; FSDP2's fully_shard changes the policy in place, so there is nothing to
+    # unwrap
     return model.module if isinstance(model, DDP) else model
 
 
@@ -542,8 +1656,8 @@ def is_fsdp(model):
 
 
 class gathered:
-    """Under FSDP2: every layer's full parameters for the whole rollout (one all-gather per layer, instead of
-    one per layer per generated token), sharded again after. Elsewhere: nothing."""
+    """Under FSDP2: every layer's full parameters for the whole rollout (one all-gather per layer,
+    instead of one per layer per generated token), sharded again after. Elsewhere: nothing."""
     def __init__(self, model):
         self.modules = [m for m in model.modules() if is_fsdp(m)]
 
@@ -555,419 +1669,79 @@ class gathered:
     def __exit__(self, *exc):
         for m in self.modules:
             m.reshard()
-            m.set_reshard_after_forward(m is not self.modules[0], recurse=False)  # the root never reshards
+            # the root never reshards
+            m.set_reshard_after_forward(m is not self.modules[0], recurse=False)
 
 
 def autocast(args, device):
-    # compute in --dtype while the weights stay fp32: each matmul reads a bf16 copy of its fp32 weight, and
-    # AdamW's update lands on the fp32 master (a 1e-6 step on a bf16 weight of 0.02 rounds away: spacing ~1e-4)
+    # compute in --dtype while the weights stay fp32: each matmul reads a bf16 copy of its fp32
+    # weight, and AdamW's update lands on the fp32 master (a 1e-6 step on a bf16 weight of 0.02
+    # rounds away: spacing ~1e-4)
     dtype = getattr(torch, args.dtype)
     return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Rollout (step 2): sample on the *unwrapped* module, in eval mode, without a graph.
-# ----------------------------------------------------------------------------------------------------
-def eos_token_ids(model, tokenizer):
-    """Every id that ends a completion: the tokenizer's EOS and those the checkpoint's generation config declares
-    (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama-3-Instruct: three ids)."""
-    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    declared = declared if isinstance(declared, (list, tuple)) else [declared]
-    return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
+def use_static_cache(args, device):
+    on_cuda = torch.device(device).type == "cuda"
+    return args.rollout_cache == "static" or (args.rollout_cache == "auto" and on_cuda)
 
 
-def completion_mask(completion_ids, eos_token_id):
-    # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after; eos_token_id:
-    # one id or a list (any of them ends the completion)
-    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_id, device=completion_ids.device))  # [rows, T]
-    T = completion_ids.shape[1]
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
-    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
-    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)          # mask [rows, T], truncated [rows]
+def wrap_ddp(model, device):
+    """The graph forward goes through this wrapper (its hooks all-reduce gradients); generate() does
+    not."""
+    # Qwen3-MoE keeps each layer's experts in one 3-D parameter, so an expert that got no tokens
+    # still gets a (zero) gradient slice; a model with one module per expert needs
+    # find_unused_parameters.
+    per_expert_modules = any(isinstance(m, torch.nn.ModuleList) and name.endswith("experts")
+                             for name, m in model.named_modules())
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+               find_unused_parameters=per_expert_modules)
 
 
-def truncate_logits(z, top_k=0, top_p=1.0, keep=None):
-    """Top-k, then top-p, as generate applies them (its order, its ties): dropped tokens get -inf, so a softmax
-    renormalizes over the kept set. keep [N]: a token id per row that stays whatever (the sampled one).
-    z: [N, V] logits already divided by the temperature."""
-    if top_k <= 0 and top_p >= 1.0:
-        return z
-    drop = torch.zeros_like(z, dtype=torch.bool)                                  # [N, V]
-    if top_k > 0:  # keep the k largest (and any tied with the k-th)
-        drop |= z < torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
-    if top_p < 1.0:  # drop the least likely tokens while their total mass is <= 1 - top_p; the likeliest stays
-        sorted_z, order = torch.sort(z.masked_fill(drop, float("-inf")), dim=-1)  # ascending
-        sorted_drop = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
-        sorted_drop[:, -1] = False
-        drop |= sorted_drop.scatter(-1, order, sorted_drop)
-    if keep is not None:
-        drop.scatter_(-1, keep.reshape(-1, 1), False)
-    return z.masked_fill(drop, float("-inf"))
+def shard_fsdp(model, args, world):
+    """FSDP2: each decoder layer, then the root (embeddings, final norm, lm_head), becomes a unit
+    whose parameters, gradients and AdamW state live 1/world on each rank. A unit's forward
+    all-gathers its full parameters and frees them after; its backward reduce-scatters the
+    gradients. Mixed precision is FSDP's own: fp32 sharded master weights, parameters gathered in
+    --dtype, gradients reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (world,))
+    compute = getattr(torch, args.dtype)
+    mp = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
+                              reduce_dtype=torch.float32)
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
 
 
-class SamplerLogps:
-    """A logits processor for generate: it applies the sampling distribution itself (temperature, top-k, top-p:
-    generate's own are switched off) and keeps, for each sampled token, its log-prob under that distribution.
-    One [rows, V] step at a time: when generate asks for step t+1's scores, its input ends with the token it
-    drew at step t, which is gathered from step t's log-softmax; finish() does the last token."""
-    def __init__(self, temperature=1.0, top_k=0, top_p=1.0):
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.previous, self.logps = None, []
-
-    def __call__(self, input_ids, scores):                                       # scores [rows, V]
-        if self.previous is not None:
-            self.logps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        scores = truncate_logits(scores.float() / self.temperature, self.top_k, self.top_p)
-        self.previous = torch.log_softmax(scores, dim=-1)
-        return scores
-
-    def finish(self, completion_ids):                                             # -> [rows, T]
-        last = self.previous.gather(-1, completion_ids[:, -1:]).squeeze(-1)
-        return torch.stack(self.logps + [last], dim=1)
+def full_state_dict(model, every_rank=False):
+    """The whole model's parameters as plain tensors. Under FSDP a collective that gathers them from
+    every rank: to rank 0 alone, in CPU memory (for saving), or to every rank where they are
+    (every_rank)."""
+    if not is_fsdp(model):
+        return unwrap(model).state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
+    return get_model_state_dict(model, options=options)
 
 
-@torch.no_grad()
-def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
-            temperature=1.0, top_p=1.0, top_k=0, static_cache=False, compile_config=None):
-    """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T], truncated
-    [rows], and the sampler's log-prob of each completion token [rows, T] (0 outside the mask; None if greedy).
-
-    The sampling distribution is truncate_logits(z / temperature, top_k, top_p), applied by SamplerLogps, and
-    nothing else: a checkpoint's generation_config.json (repetition_penalty, no_repeat_ngram_size, ...) would
-    make the sampler draw from a distribution the loss never scores, so it is set aside here.
-    static_cache: a fixed-size KV cache, whose decode step transformers compiles on CUDA (compile_config
-    overrides how). The compiled step reads the parameters as inputs, so it sees every update."""
-    from transformers import GenerationConfig, LogitsProcessorList
-    eos = eos_token_ids(policy, tokenizer)  # stop on, and mask after, every EOS the checkpoint declares
-    sampler = SamplerLogps(temperature, top_k, top_p) if do_sample else None
-    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample, temperature=1.0, top_p=1.0,
-                              top_k=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-                              bos_token_id=tokenizer.bos_token_id,
-                              cache_implementation="static" if static_cache else None,
-                              compile_config=compile_config)
-    if static_cache:  # the compiled decode is specialized to the cache's shape: widths in steps of 64, not 1
-        pad = -input_ids.shape[1] % 64
-        input_ids = torch.nn.functional.pad(input_ids, (pad, 0), value=tokenizer.pad_token_id)
-        attention_mask = torch.nn.functional.pad(attention_mask, (pad, 0), value=0)
-    was_training, checkpoint_config = policy.training, policy.generation_config
-    policy.eval()
-    policy.generation_config = GenerationConfig()  # generate() fills unset fields from this: library defaults only
-    try:
-        with gathered(policy):
-            out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                  logits_processor=LogitsProcessorList([sampler] if sampler else []))
-    finally:
-        policy.generation_config = checkpoint_config
-        policy.train(was_training)
-    completion_ids = out[:, input_ids.shape[1]:]                                  # [rows, T <= max_gen_len]
-    mask, truncated = completion_mask(completion_ids, eos)
-    sampler_logps = None
-    if sampler is not None:  # after EOS generate writes pads, which the truncation may have dropped (-inf)
-        sampler_logps = torch.where(mask.bool(), sampler.finish(completion_ids), 0.0)
-    return completion_ids, mask, truncated, sampler_logps
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
 
 
-def decode_completions(tokenizer, completion_ids, mask):
-    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
-            for ids, m in zip(completion_ids, mask)]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Reward and advantage (steps 3-4)
-# ----------------------------------------------------------------------------------------------------
-def compute_rewards(reward_fns, weights, completions, rows):
-    # r_i = sum_k w_k * reward_k(o_i, **row_i); a reward that raises or is not a finite number names the sample
-    rewards = torch.zeros(len(completions))
-    for fn, w in zip(reward_fns, weights):
-        for i, (c, row) in enumerate(zip(completions, rows)):
-            where = f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {c[:60]!r})"
-            try:
-                value = call_reward(fn, c, row)
-            except Exception as e:
-                raise TrainerError(f"reward {fn.__name__} raised {where}: {type(e).__name__}: {e}") from None
-            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-                raise TrainerError(f"reward {fn.__name__} returned {value!r:.40}, not a number, {where}")
-            if not math.isfinite(float(value)):
-                raise TrainerError(f"reward {fn.__name__} returned {float(value)}, not a finite number, {where}")
-            rewards[i] += w * float(value)
-    return rewards
-
-
-def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
-    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4); std is the unbiased sample std, as in TRL.
-    # "batch" divides by batch_std (the trainer passes the std over all ranks), else by this batch's std
-    grouped = rewards.view(-1, num_generations)                                   # [B, G]
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale_rewards == "group":
-        centered = centered / (grouped.std(dim=1, keepdim=True) + 1e-4)
-    elif scale_rewards == "batch":
-        centered = centered / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
-    elif scale_rewards != "none":
-        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
-    return centered.reshape(-1)                                                   # [B*G]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Log-probs and entropy (steps 5-7, 10)
-# ----------------------------------------------------------------------------------------------------
-def selective_log_softmax(logits, index):
-    # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax
-    shape = index.shape
-    logits, index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1)      # [N, V], [N]
-    out = []
-    for s in range(0, logits.shape[0], 1024):
-        z = logits[s:s + 1024].float()
-        out.append(z.gather(-1, index[s:s + 1024, None]).squeeze(-1) - torch.logsumexp(z, dim=-1))
-    return torch.cat(out).view(shape)
-
-
-def entropy_from_logits(logits, chunk_size=128):
-    # H = logsumexp(z) - sum_v softmax(z)_v * z_v, over chunks of rows of the flattened [N, V] logits
-    flat = logits.reshape(-1, logits.shape[-1])                                   # [N, V]
-    chunks = []
-    for s in range(0, flat.shape[0], chunk_size):
-        z = flat[s:s + chunk_size].float()
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
-    return torch.cat(chunks).view(logits.shape[:-1])                              # logits.shape without V
-
-
-def lm_logits(model, hidden):
-    # z = lm_head(h), then what the model's own forward applies after it: Cohere z * logit_scale,
-    # Granite z / logits_scaling, Gemma-2/3 cap * tanh(z / cap). check_output_head() refuses any other.
-    config = model.config.get_text_config()
-    z = model.get_output_embeddings()(hidden)
-    if getattr(config, "logit_scale", None) is not None:
-        z = z * config.logit_scale
-    if getattr(config, "logits_scaling", None) is not None:
-        z = z / config.logits_scaling
-    if getattr(config, "final_logit_softcapping", None):
-        z = torch.tanh(z / config.final_logit_softcapping) * config.final_logit_softcapping
-    return z
-
-
-@torch.no_grad()
-def check_output_head(model):
-    """Log-probs come from lm_logits(last hidden state): refuse a model whose forward does something else."""
-    vocab = model.get_output_embeddings().weight.shape[0]
-    ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]       # [1, 8] arbitrary tokens
-    was_training = model.training
-    out = model.eval()(input_ids=ids, output_hidden_states=True, use_cache=False)
-    last = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # what the no-grad path reads
-    model.train(was_training)
-    ours, theirs = lm_logits(model, last).float(), out.logits.float()
-    if not torch.equal(last, out.hidden_states[-1]):
-        raise TrainerError(f"{type(model).__name__}: the decoder's last hidden state is not the forward's "
-                           "last hidden state; train_grpo reads both")
-    if not torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * theirs.abs().max().item()):
-        raise TrainerError(f"{type(model).__name__}'s forward post-processes its logits in a way train_grpo.lm_logits "
-                           f"does not (max difference {(ours - theirs).abs().max().item():.3g}); add it there")
-
-
-def disable_dropout(model):
-    """RL scores the policy that sampled: dropout would make log-probs noisy (ratio != 1 and KL != 0 at equal
-    weights), so every dropout probability is set to 0 (module attributes only; the saved config keeps its own)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name, value in list(vars(module).items()):
-            if "dropout" in name and isinstance(value, float):
-                setattr(module, name, 0.0)
-
-
-def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entropy_chunk_size, with_entropy=True):
-    """One chunk: hidden [c, H] -> logits [c, V] (they exist only inside this chunk).
-    lm_head: anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear).
-    sampling: temperature, top_k, top_p of the distribution to score (top_k 0, top_p 1: the full one)."""
-    logits = lm_head(hidden).float()                    # [c, V]: the one fp32 copy (bf16 under autocast)
-    if sampling["temperature"] != 1.0:
-        logits.div_(sampling["temperature"])            # in place: no second [c, V] tensor (nothing saved it)
-    # sampling replay: score under the truncation the sampler used, renormalized over the kept set (the
-    # sampled token always kept): logp = z[o] - logsumexp(z[kept])
-    scored = truncate_logits(logits, sampling["top_k"], sampling["top_p"], keep=targets)
-    logps = selective_log_softmax(scored, targets)
-    if not with_entropy:
-        return logps, torch.zeros_like(logps.detach())
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        # only logged: no graph at all (detached, no_grad); a bonus: in the graph, recomputed in backward.
-        # The entropy is the full (tempered) distribution's, truncated or not
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), entropy_chunk_size)
-    return logps, entropy
-
-
-def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0, top_k=0,
-                     top_p=1.0, chunk_size=0, entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
-    """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states through lm_head
-    in chunks of chunk_size tokens (0: auto_chunk_tokens(V)), so [rows, T, V] logits never exist at once.
-    temperature, top_k, top_p: the distribution scored (truncate_logits); top_k 0 and top_p 1 score the full one.
-    Call it with the DDP-wrapped model: its forward is what makes DDP all-reduce the gradients. Without grad
-    (reference, old log-probs) it runs the decoder alone, which keeps no layer's hidden states but the last.
-
-    Returns logps [rows, T], entropy [rows, T] (graph only if entropy_grad), router aux loss (MoE) or None."""
-    T = num_completion_tokens
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                   # as generate() computes them
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    moe, aux = hasattr(unwrap(model).config, "router_aux_loss_coef"), None
-    if torch.is_grad_enabled() or is_fsdp(model):  # FSDP: only the root's forward gathers embeddings and norm
-        out = model(**inputs, output_hidden_states=True, logits_to_keep=1,
-                    **({"output_router_logits": True} if moe else {}))
-        hidden, aux = out.hidden_states[-1], getattr(out, "aux_loss", None) if moe else None
-    else:
-        hidden = unwrap(model).get_decoder()(**inputs).last_hidden_state
-    hidden = hidden[:, -T - 1:-1, :]                                              # [rows, T, H]: state before token t
-    targets = input_ids[:, -T:]                                                   # [rows, T]
-    head = functools.partial(lm_logits, unwrap(model))                         # lm_head + the model's post-processing
-    # truncating holds a few more [c, V] tensors (the sort's values and indices, a mask): a smaller auto chunk
-    truncating = top_k > 0 or top_p < 1.0
-    chunk_size = chunk_size or auto_chunk_tokens(unwrap(model).get_output_embeddings().weight.shape[0]) // (
-        4 if truncating else 1) or 1
-    logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   chunk_size=chunk_size, entropy_grad=entropy_grad,
-                                   entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
-    return logps, entropy, aux
-
-
-# The largest tensor of a step is one chunk's logits, [tokens, V]: bounded in bytes, it does not grow with the
-# vocabulary (a fixed token count would be 622 MB at 1,024 x 151,936 in fp32, 2.5x that with its gradient)
-LOGITS_BUDGET_MIB = 64
-
-
-def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
-    # tokens = budget / (V x 4 bytes of fp32 logits), at least 1
-    return max(1, budget_mib * 2**20 // (vocab_size * 4))
-
-
-def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size=1024,
-                  entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
-    """hidden [rows, T, H] -> logps, entropy [rows, T], chunk_size tokens of logits at a time: the largest
-    logits tensor is [chunk_size, V] however many rows there are."""
-    rows, T = targets.shape
-    flat_hidden, flat_targets = hidden.reshape(rows * T, hidden.shape[-1]), targets.reshape(rows * T)  # [N, H], [N]
-    logps, entropy = [], []
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    for s in range(0, rows * T, chunk_size):
-        h, y = flat_hidden[s:s + chunk_size], flat_targets[s:s + chunk_size]
-        if torch.is_grad_enabled():  # keep only the chunk's inputs; recompute its logits in backward
-            lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, sampling, entropy_grad,
-                                 entropy_chunk_size, with_entropy, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logps_entropy(lm_head, h, y, sampling, False, entropy_chunk_size, with_entropy)
-        logps.append(lp)
-        entropy.append(ent)
-    return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The objective (steps 8-9, 11)
-# ----------------------------------------------------------------------------------------------------
-def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1, accum_steps=1):
-    """Turn a per-token quantity [rows, T] into the scalar the loss uses (step 9's table in the README)."""
-    total = per_token * mask
-    if loss_type == "grpo":     # mean_i [ sum_t L m / max(sum_t m, 1) ] / S
-        return (total.sum(1) / mask.sum(1).clamp(min=1)).mean() / accum_steps
-    if loss_type == "bnpo":     # sum L m / max(sum m, 1) / S   (this rank's micro-batch)
-        return total.sum() / mask.sum().clamp(min=1) / accum_steps
-    if loss_type == "dr_grpo":  # sum L m / (rows * L_max) / S
-        return total.sum() / (mask.shape[0] * (max_gen_len or mask.shape[1])) / accum_steps
-    if loss_type in ("dapo", "cispo"):  # sum L m / (N / world_size): N = masked tokens of the whole step, all ranks
-        n = num_items if num_items is not None else mask.sum()
-        return total.sum() / max(float(n) / world_size, 1.0)
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
-
-
-def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high, ref_logps=None, beta=0.0,
-              max_gen_len=None, num_items=None, world_size=1, entropy=None, entropy_coef=0.0, accum_steps=1,
-              is_weight=None):
-    """logps/old_logps/ref_logps/mask/entropy/is_weight: [rows, T]; advantages: [rows]. Returns (loss, stats).
-    old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy. is_weight: a detached
-    per-token weight of the policy term (importance_weights: the sampler/trainer mismatch correction)."""
-    assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) in the graph has zero gradient"
-    mask = mask.to(logps.dtype)
-    A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
-    # r = exp(logp - old): value 1 on-policy, gradient r * dlogp (old carries no graph)
-    ratio = torch.exp(logps - old_logps)
-    if loss_type == "cispo":
-        # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free importance weight on a REINFORCE term
-        policy = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
-        clipped = ratio > epsilon_high
-    else:
-        # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
-        policy = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
-        clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
-    if is_weight is not None:
-        assert not is_weight.requires_grad, "the importance weight is a constant: sg(w)"
-        policy = is_weight * policy                                               # L <- sg(w) * L
-    per_token = policy
-    norm = dict(loss_type=loss_type, max_gen_len=max_gen_len, num_items=num_items, world_size=world_size,
-                accum_steps=accum_steps)
-    stats = {}
-    if beta > 0:
-        # k3: KL = exp(ref - logp) - (ref - logp) - 1, added as + beta * KL
-        delta = ref_logps - logps
-        kl = torch.exp(delta) - delta - 1
-        per_token = per_token + beta * kl
-        stats["kl_sum"] = (kl * mask).sum().detach()                              # logged: a sum and a count
-        stats["kl"] = stats["kl_sum"] / mask.sum().clamp(min=1)
-    if entropy is not None and entropy_coef != 0.0:
-        per_token = per_token - entropy_coef * entropy                            # loss <- loss - alpha * H
-    loss = aggregate(per_token, mask, **norm)
-    stats["policy_loss"] = aggregate(policy.detach(), mask, **norm)
-    stats["clip_ratio"] = (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-    return loss, stats
-
-
-def importance_weights(ratio, kind, cap):
-    # the sampler drew o from pi_sampler, the loss scores pi_trainer: rho = exp(logp_trainer - logp_sampler), and
-    # tis: w = min(rho, C) (truncated importance sampling); mis: w = 1[1/C <= rho <= C] (masked); none: w = 1
-    if kind == "tis":
-        return torch.clamp(ratio, max=cap)
-    if kind == "mis":
-        return ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
-    return None
-
-
-def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_max):
-    # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min); applied alpha = c if H_w < target else 0
-    if world_entropy < target:
-        new = min(coef + delta, coef_max)
-        return new, new
-    return max(coef - delta, coef_min), 0.0
-
-
-def world_mean(local_sum, local_count, device="cpu"):
-    # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of per-rank means
-    total, count = world_sum(local_sum, local_count, device=device)
-    return total / max(count, 1.0)
-
-
-def world_std(values, device="cpu"):
-    # unbiased std over all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in float64
-    s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(), device=device)
-    return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
-
-
-def world_max(value, device="cpu"):
-    """The largest of each rank's value (identity in a single process)."""
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def world_sum(*values, device="cpu"):
-    """Sum float values over all ranks (identity in a single process)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-# ----------------------------------------------------------------------------------------------------
-# Checkpoints (step 14): HF-format weights + trainer state, written to a temp dir then renamed.
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Checkpoints and resume (step 14): HF-format weights + trainer state, written to a temp dir,
+# renamed
+# --------------------------------------------------------------------------------------------------
 def rng_state():
     np_state = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
+                       float(np_state[4])]}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -982,15 +1756,10 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank, optimizer_shard=None):
-    """save_dir/checkpoint-<step>/: model.safetensors + config + tokenizer, trainer_state.pt, rng_state_<rank>.pt
-    (and under FSDP optimizer_<rank>.pt, each rank's shard of AdamW's state). The weights are gathered to
-    rank 0 and saved whole, so plain from_pretrained loads them."""
+    """save_dir/checkpoint-<step>/: model.safetensors + config + tokenizer, trainer_state.pt,
+    rng_state_<rank>.pt (and under FSDP optimizer_<rank>.pt, each rank's shard of AdamW's state).
+    The weights are gathered to rank 0 and saved whole, so plain from_pretrained loads them."""
     weights = full_state_dict(model)  # a collective under FSDP: every rank takes part
     final = os.path.join(save_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
@@ -1021,23 +1790,25 @@ def find_checkpoint(save_dir):
 
 
 def load_weights(model, ckpt, trust_remote_code=False):
-    """Load checkpoint weights, refusing one saved from a model of another shape. Read through from_pretrained:
-    transformers saves some weights in another layout than it holds them (MoE experts, one tensor each on disk,
-    one fused tensor per layer in memory) and only its loader converts them back."""
+    """Load checkpoint weights, refusing one saved from a model of another shape. Read through
+    from_pretrained: transformers saves some weights in another layout than it holds them (MoE
+    experts, one tensor each on disk, one fused tensor per layer in memory) and only its loader
+    converts them back."""
     from transformers import AutoModelForCausalLM
     if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
         raise TrainerError(f"checkpoint {ckpt} has no model.safetensors")
     try:
-        saved = AutoModelForCausalLM.from_pretrained(ckpt, dtype=next(model.parameters()).dtype,
-                                                     trust_remote_code=trust_remote_code).state_dict()
+        saved = AutoModelForCausalLM.from_pretrained(
+            ckpt, dtype=next(model.parameters()).dtype, trust_remote_code=trust_remote_code
+        ).state_dict()
     except Exception as e:
         raise TrainerError(f"checkpoint {ckpt} could not be loaded: {one_line(e)}") from None
     own = model.state_dict()
     for k, v in saved.items():
         if k not in own or own[k].shape != v.shape:
             theirs = tuple(own[k].shape) if k in own else "absent"
-            raise TrainerError(f"checkpoint {ckpt} is from another model shape: {k} is {tuple(v.shape)} there, "
-                               f"{theirs} here")
+            raise TrainerError(f"checkpoint {ckpt} is from another model shape: {k} is "
+                               f"{tuple(v.shape)} there, {theirs} here")
     missing = [k for k in own if k not in saved]
     if missing:
         raise TrainerError(f"checkpoint {ckpt} is from another model: it lacks {missing[0]} "
@@ -1049,500 +1820,82 @@ def load_weights(model, ckpt, trust_remote_code=False):
         model.load_state_dict(saved)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Evaluation: greedy accuracy on the held-out split, shared across ranks.
-# ----------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=256):
-    """Mean of score(greedy completion, row) over the held-out rows, all ranks together."""
-    mine = eval_rows[rank::world]
-    correct = 0.0
-    # a world decision: every rank runs as many rollouts as the busiest one (under FSDP each rollout gathers
-    # the weights, a collective); a rank out of rows generates for a stand-in prompt and scores nothing
-    n_batches = int(world_max(math.ceil(len(mine) / batch), device=device))
-    for b in range(n_batches):
-        rows = mine[b * batch:(b + 1) * batch]
-        prompts = [r["prompt"] for r in rows] or [eval_rows[0]["prompt"]]
-        ids, am, _ = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
-        with autocast(args, device):
-            comp, mask, *_ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len, do_sample=False,
-                                    static_cache=use_static_cache(args, device))
-        texts = decode_completions(tokenizer, comp, mask)
-        correct += sum(score(t, r) for t, r in zip(texts, rows))
-    c, n = world_sum(correct, len(mine), device=device)
-    return c / max(n, 1)
+def save(args, run, scheduler, state, rank):
+    # DDP: every rank holds the same AdamW state, rank 0 saves it; FSDP: each rank saves its own
+    # shard
+    shard = local_optimizer_state(run.optimizer) if is_fsdp(run.model) else None
+    trainer_state = {**dataclasses.asdict(state), "scheduler": scheduler.state_dict(),
+                     # fp16's loss scale and its run of good steps
+                     "scaler": run.scaler.state_dict(),
+                     "optimizer": None if shard is not None else run.optimizer.state_dict()}
+    save_checkpoint(args.save_dir, state.step, run.model, run.tokenizer, trainer_state, rank,
+                    optimizer_shard=shard)
 
 
-def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
-    """Built-in task only: a few supervised steps (teacher forcing) so the tiny model earns some reward.
-    The same batch_size rows per step whatever the number of ranks (each takes its share), so the GRPO
-    run under torchrun starts from the warm start of the one-process run."""
-    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
-    rng = random.Random(args.seed + 7)
-    for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
-        rows = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size)][rank::world]
-        ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device)
-        target = torch.tensor([tokenizer(r["answer"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-                               for r in rows], device=device)                     # [B, len+1]
-        with autocast(args, device):
-            logps, _, aux = completion_logps(model, torch.cat([ids, target], 1),
-                                             torch.cat([am, torch.ones_like(target)], 1), target.shape[1],
-                                             chunk_size=args.logp_chunk_size)
-        loss = -logps.mean() + (aux * unwrap(model).config.router_aux_loss_coef if aux is not None else 0)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def local_optimizer_state(optimizer):
+    """This rank's AdamW state with its DTensors as plain local shards (what weights_only=True
+    loads)."""
+    sd = optimizer.state_dict()
+    sd["state"] = {i: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in st.items()}
+                   for i, st in sd["state"].items()}
+    return sd
 
 
-# ----------------------------------------------------------------------------------------------------
-# Set-up: processes, model, data, optimizer. Each function returns what the loop needs.
-# ----------------------------------------------------------------------------------------------------
-def setup_distributed(args):
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain `python` is one process. Returns rank, world, device."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        auto = "cuda" if torch.cuda.is_available() else "cpu"
-        return 0, 1, torch.device(auto if args.device == "auto" else args.device)
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
+def load_local_optimizer_state(optimizer, sd):
+    """The inverse: each local shard becomes a DTensor laid out like its parameter again."""
+    from torch.distributed.tensor import DTensor
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, st in sd["state"].items():
+        p = params[int(i)]
+        for k, v in st.items():
+            if isinstance(p, DTensor) and v.dim() > 0:
+                st[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                           stride=p.stride())
+    optimizer.load_state_dict(sd)
 
 
-def is_moe(model):
-    return hasattr(unwrap(model).config, "router_aux_loss_coef")
+def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
+    """A fresh start (empty log, per-rank sampling seeds, the eval before any update), or a resume
+    from --resume's checkpoint. Returns the loop state, the metrics file and --report_to's (send,
+    close)."""
+    if rank == 0:
+        os.makedirs(args.save_dir, exist_ok=True)
+    metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
+    ckpt = find_checkpoint(args.save_dir) if args.resume == "auto" else (args.resume or None)
+    if ckpt:
+        state = resume(args, ckpt, run, scheduler, rank, metrics_path)
+        return state, metrics_path, open_report(args, rank, resumed_at=state.step)
+    report = open_report(args, rank)
+    state = TrainState(entropy_coef=args.entropy_coef, entropy_coef_applied=args.entropy_coef)
+    # ranks sample differently; RNG no longer depends on the warmup
+    torch.manual_seed(args.seed + 1 + rank)
+    random.seed(args.seed + 1 + rank)
+    if rank == 0:
+        open(metrics_path, "w").close()
+    if args.eval_interval > 0:
+        policy = unwrap(run.model)
+        acc = evaluate(policy, run.tokenizer, eval_rows, score, args, rank, run.world, run.device)
+        log_metrics(metrics_path, {"step": 0, eval_key: acc}, rank, report[0])
+        if rank == 0:
+            print(f"{eval_key} before GRPO: {acc:.3f}")
+    return state, metrics_path, report
 
 
-def load_model_and_tokenizer(args, device):
-    """The built-in tiny model and character tokenizer, or from_pretrained of --model_name_or_path."""
-    if not args.model_name_or_path:
-        tokenizer = build_char_tokenizer(REVERSE_ALPHABET + "=")
-        model = build_tiny_model(len(tokenizer), args.use_moe, tokenizer)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        name, remote = args.model_name_or_path, bool(args.trust_remote_code)
-        where, gguf = name, {}
-        if name.endswith(".gguf"):  # transformers reads weights, tokenizer and chat template from the file
-            where, file = os.path.split(os.path.abspath(os.path.expanduser(name)))
-            gguf = {"gguf_file": file}
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=remote, **gguf)
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, trust_remote_code=remote,
-                                                         **gguf)
-        except Exception as e:  # missing files, offline hub, unknown architecture: one line
-            raise TrainerError(f"--model_name_or_path {name}: {one_line(e)}") from None
-        if gguf:
-            model = plain_model(model)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        if args.use_moe and not is_moe(model):
-            raise TrainerError(f"--use_moe 1 but {name} is a dense model ({model.config.model_type})")
-        # MoE: completion_logps asks the forward for output_router_logits, so the aux loss arrives;
-        # generate() runs without it (its cached, one-token steps would not match the attention mask)
-    model.to(device=device, dtype=torch.float32)  # master weights; --dtype is the compute dtype (autocast)
-    disable_dropout(model)
-    check_output_head(model)
-    if args.gradient_checkpointing == 1 or (args.gradient_checkpointing == -1 and args.model_name_or_path):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    return model, tokenizer
-
-
-def plain_model(model):
-    """A model read from GGUF holds plain fp32 weights (dequantized on load) but keeps the GGUF quantizer's
-    mark, and save_pretrained refuses it. Rebuilt from its config without the mark, it saves (and checkpoints)
-    as a plain safetensors folder that plain transformers loads."""
-    from transformers import AutoModelForCausalLM
-    config = model.config
-    del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.generation_config = model.generation_config
-    return plain
-
-
-def answer_from(fn, field):
-    """fn(completion, answer) reading its answer from the row's `field` column."""
-    def reward(completion, **row):
-        return fn(completion, answer=row[field])
-    reward.__name__ = fn.__name__
-    return reward
-
-
-def load_task(args, tokenizer, world):
-    """Train rows, eval rows (dicts: 'prompt', the rendered text, plus every column of the dataset), reward
-    functions, their weights, and the held-out score: its name and score(completion, row) -> float."""
-    if not args.dataset:
-        train_rows, eval_rows = make_reverse_task(args.eval_size)
-        is_correct = reverse_correct
-    else:
-        # every column reaches the rewards as the dataset has it (an int stays an int); 'prompt' becomes the text
-        # the model is given (a chat prompt rendered through the template)
-        train_rows, eval_rows = ([{**r, "prompt": render_prompt(tokenizer, r, args)} for r in rows]
-                                 for rows in load_rows(args))
-        is_correct = compare_correct if args.dataset == COMPARE_NUMBERS else gsm8k_correct
-    answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
-    reward_fns, weights = task_rewards(args)
-    if answer_key != "answer":  # the task's own rewards take `answer`: hand them --answer_field's column
-        reward_fns = [answer_from(fn, answer_key) for fn in reward_fns]
-    if args.reward_funcs:  # your own: weight 1.0 each unless --reward_weights says otherwise
-        reward_fns = load_reward_funcs(args.reward_funcs)
-        weights = [1.0] * len(reward_fns)
-    if args.reward_weights:
-        weights = [float(w) for w in args.reward_weights.split(",")]
-    if len(train_rows) < args.batch_size * world:
-        raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than batch_size * ranks = "
-                           f"{args.batch_size * world}")
-    if args.reward_funcs:  # your rewards: the held-out score is their weighted sum on greedy completions
-        return train_rows, eval_rows, reward_fns, weights, ("eval_reward", lambda text, row: compute_rewards(
-            reward_fns, weights, [text], [row])[0].item())
-    score = lambda text, row: float(is_correct(text, row[answer_key]))
-    return train_rows, eval_rows, reward_fns, weights, ("eval_accuracy", score)
-
-
-def wrap_ddp(model, device):
-    """The graph forward goes through this wrapper (its hooks all-reduce gradients); generate() does not."""
-    # Qwen3-MoE keeps each layer's experts in one 3-D parameter, so an expert that got no tokens still
-    # gets a (zero) gradient slice; a model with one module per expert needs find_unused_parameters.
-    per_expert_modules = any(isinstance(m, torch.nn.ModuleList) and name.endswith("experts")
-                             for name, m in model.named_modules())
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-               find_unused_parameters=per_expert_modules)
-
-
-def shard_fsdp(model, args, world):
-    """FSDP2: each decoder layer, then the root (embeddings, final norm, lm_head), becomes a unit whose
-    parameters, gradients and AdamW state live 1/world on each rank. A unit's forward all-gathers its full
-    parameters and frees them after; its backward reduce-scatters the gradients. Mixed precision is FSDP's own:
-    fp32 sharded master weights, parameters gathered in --dtype, gradients reduced in fp32."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    device_type = next(model.parameters()).device.type
-    mesh = init_device_mesh(device_type, (world,))
-    compute = getattr(torch, args.dtype)
-    mp = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute, reduce_dtype=torch.float32)
-    for layer in model.get_decoder().layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
-
-
-def full_state_dict(model, every_rank=False):
-    """The whole model's parameters as plain tensors. Under FSDP a collective that gathers them from every
-    rank: to rank 0 alone, in CPU memory (for saving), or to every rank where they are (every_rank)."""
-    if not is_fsdp(model):
-        return unwrap(model).state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not every_rank))
-
-
-def frozen_copy(policy, dtype):
-    """The reference model: a frozen copy of the policy as it is now, unsharded, that computes exactly what the
-    policy computes at equal weights. Under autocast the policy's Linear layers read a --dtype copy of their
-    fp32 weights; the reference stores just that copy (2 bytes per parameter in bf16) and keeps everything
-    else as the policy has it: embeddings (and an lm_head tied to them), norms, MoE expert tensors and buffers
-    such as RoPE's inv_freq stay fp32. Casting the whole copy instead (`.to(bf16)`) rounds inv_freq, the
-    residual stream and the norms: a reference that never existed, and KL != 0 at step 1. Under FSDP the
-    policy's parameters all arrive in --dtype (its MixedPrecisionPolicy), so the reference's all are."""
-    import copy
-    if not is_fsdp(policy):
-        ref = copy.deepcopy(policy).eval().requires_grad_(False)
-        embedding = ref.get_input_embeddings().weight
-        for module in ref.modules():
-            if isinstance(module, torch.nn.Linear) and module.weight is not embedding:  # a tied head stays fp32
-                module.to(dtype)
-        return ref
-    from transformers import AutoModelForCausalLM
-    full = full_state_dict(policy, every_rank=True)
-    ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
-    disable_dropout(ref)
-    ref.load_state_dict(full)
-    for p in ref.parameters():  # FSDP's mixed precision gathers every parameter in --dtype (buffers stay fp32)
-        p.data = p.data.to(dtype)
-    return ref.eval().requires_grad_(False)
-
-
-def lr_factor(step, *, warmup_steps, max_steps, schedule):
-    # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1 (constant)
-    # or 0.5 (1 + cos(pi * progress)) (cosine), progress = (step - warmup) / (max_steps - warmup)
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def build_optimizer(policy, args):
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
-        s, warmup_steps=args.warmup_steps, max_steps=args.max_steps, schedule=args.lr_scheduler))
-    return optimizer, scheduler
-
-
-@dataclass
-class TrainState:
-    """Everything the loop carries from one step to the next (all of it goes into a checkpoint)."""
-    step: int = 0
-    sampler_epoch: int = 0
-    sampler_pos: int = 0
-    entropy_coef: float = 0.0          # c: the adaptive coefficient (or the static alpha)
-    entropy_coef_applied: float = 0.0  # alpha used in the next step's loss
-    world_entropy: float = float("nan")
-    bad_in_a_row: int = 0              # consecutive steps skipped for a non-finite loss or grad norm
-    truncated_prompts: int = 0         # prompts left-truncated so far, all ranks
-
-
-def next_prompts(sampler, train_rows, state, batch_size):
-    """Step 1: this rank's B prompts, in the DistributedSampler's order (a new permutation each epoch)."""
-    sampler.set_epoch(state.sampler_epoch)
-    order = list(sampler)
-    if state.sampler_pos + batch_size > len(order):
-        state.sampler_epoch, state.sampler_pos = state.sampler_epoch + 1, 0
-        sampler.set_epoch(state.sampler_epoch)
-        order = list(sampler)
-    rows = [train_rows[i] for i in order[state.sampler_pos:state.sampler_pos + batch_size]]
-    state.sampler_pos += batch_size
-    return rows
-
-
-@dataclass
-class Run:
-    """What every step uses and no step changes: built once by train(), handed to grpo_step."""
-    model: torch.nn.Module       # the policy as the loss sees it: the DDP wrapper, or the policy itself
-    ref_model: object            # frozen reference (beta > 0), else None
-    optimizer: object
-    scaler: object               # torch.amp.GradScaler: dynamic loss scaling under --dtype float16, else inert
-    tokenizer: object
-    reward_fns: list
-    weights: list
-    world: int = 1
-    device: str = "cpu"
-
-
-# ----------------------------------------------------------------------------------------------------
-# One GRPO step: stages 1-13, in order. The functions it calls are defined above.
-# ----------------------------------------------------------------------------------------------------
-def grpo_step(args, run, rows, state):
-    """One step on this rank's B prompts (`run`: model, reference, optimizer, ...). Updates `state` in place
-    and returns the step's metrics (world values)."""
-    t0, G, policy, device = time.time(), args.num_generations, unwrap(run.model), run.device
-    reset_peak_memory(device)
-    # 1. prompts: each repeated G times so a group is contiguous; left-padded, left-truncated
-    rows = [r for r in rows for _ in range(G)]
-    prompts = [r["prompt"] for r in rows]
-    prompt_ids, prompt_mask, n_cut = tokenize_prompts(run.tokenizer, prompts, args.max_prompt_len, device)
-
-    # 2. rollout on the unwrapped policy, no graph: m = 1 up to and including the first EOS; the sampler's
-    # own log-prob of each token it drew
-    t_gen = time.time()
-    with autocast(args, device):
-        completion_ids, mask, truncated, sampler_logps = rollout(
-            policy, prompt_ids, prompt_mask, run.tokenizer, max_gen_len=args.max_gen_len,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            static_cache=use_static_cache(args, device))
-    gen_time = time.time() - t_gen                                                # completion_ids [rows, T]
-
-    # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i)
-    completions = decode_completions(run.tokenizer, completion_ids, mask)
-    rewards = compute_rewards(run.reward_fns, run.weights, completions, rows)      # [rows]
-    # 4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4); batch: the std of all ranks' rewards
-    batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
-    advantages = compute_advantages(rewards, G, args.scale_rewards, batch_std).to(device)  # [rows]
-    if args.mask_truncated_completions:  # a completion without EOS keeps its reward, its tokens count for nothing
-        mask = mask * (~truncated).unsqueeze(1)
-    input_ids = torch.cat([prompt_ids, completion_ids], 1)                       # [rows, P + T]
-    attention_mask = torch.cat([prompt_mask, mask], 1)
-    T = completion_ids.shape[1]
-
-    # 5-6. reference and old log-probs: plain tensors, no graph (old only when mu > 1; else logps.detach())
-    lp_kw = dict(chunk_size=args.logp_chunk_size, **scored_distribution(args))
-    with torch.no_grad(), autocast(args, device):
-        ref_logps = (completion_logps(run.ref_model, input_ids, attention_mask, T, **lp_kw)[0]
-                     if run.ref_model is not None else None)
-        old_logps = (completion_logps(run.model, input_ids, attention_mask, T, **lp_kw)[0]
-                     if args.num_iterations > 1 else None)
-    num_items = world_sum(mask.sum().item(), device=device)[0]                   # N: masked tokens, all ranks
-
-    # 7-13. mu updates per rollout: current log-probs, loss, backward, clip, optimizer step
-    batch = dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask, advantages=advantages,
-                 old_logps=old_logps, ref_logps=ref_logps, sampler_logps=sampler_logps, num_items=num_items)
-    for it in range(args.num_iterations):
-        sums = accumulate_gradients(run, batch, args, state.entropy_coef_applied)
-        if it == 0:  # the policy that sampled: its entropy and its mismatch with the sampler
-            first = sums
-        grad_norm = clipped_optimizer_step(run, args.grad_clip, sums["loss"], state)
-
-    # 11. entropy coefficient: one world entropy (a sum and a count), one rule, the same c on every rank
-    state.world_entropy = world_mean(first["entropy_sum"], mask.sum().item(), device=device)
-    coef_used = state.entropy_coef_applied
-    if args.use_adaptive_entropy:
-        state.entropy_coef, state.entropy_coef_applied = update_entropy_coef(
-            state.entropy_coef, state.world_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
-            coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
-
-    record = step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, n_cut // G, G, num_items)
-    dt = time.time() - t0
-    record.update(entropy_coef_applied=coef_used, grad_norm=grad_norm.item(), step_time=dt, generate_time=gen_time,
-                  generate_share=gen_time / dt, tokens_per_s=num_items / dt, peak_mem_gib=peak_memory_gib(device))
-    if run.scaler.is_enabled():
-        record["loss_scale"] = run.scaler.get_scale()
-    return record
-
-
-def scored_distribution(args):
-    """The distribution the trainer scores tokens under: the sampler's (replay), or the full tempered one."""
-    replay = args.sampling_replay
-    return dict(temperature=args.temperature, top_k=args.top_k if replay else 0, top_p=args.top_p if replay else 1.0)
-
-
-def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, prompts_cut, G, num_items):
-    """The step's record: world values (sums and counts over ranks, or the world's min and max)."""
-    world, device = run.world, run.device
-    r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut, diff, ratio = world_sum(
-        rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(), mask.sum(1).float().mean(),
-        truncated.float().mean(), (rewards.view(-1, G).std(1) == 0).float().mean(), sums["loss"],
-        sums["policy_loss"], sums["kl_sum"], sums["clip"], sums["aux"], prompts_cut, first["diff_sum"],
-        first["ratio_sum"], device=device)
-    state.truncated_prompts += int(cut)
-    diff_max, ratio_max, neg_ratio_min = (world_max(first[k], device=device)
-                                          for k in ("diff_max", "ratio_max", "neg_ratio_min"))
-    record = {"reward": r_mean / world, "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
-              "frac_reward_zero_std": zero_std / world, "advantage_std": math.sqrt(adv_sq / world),
-              "loss": loss / world, "policy_loss": pl / world, "kl": kl / max(num_items, 1.0),  # masked mean
-              "entropy": state.world_entropy, "entropy_coef": state.entropy_coef, "clip_ratio": clip / world,
-              "completion_len": c_len / world, "truncated_frac": trunc / world,
-              # the sampler vs the trainer, per masked token: |old logp - sampler logp| and rho = exp(difference)
-              "sampler_logp_diff_mean": diff / max(num_items, 1.0), "sampler_logp_diff_max": diff_max,
-              "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio / max(num_items, 1.0), "is_ratio_max": ratio_max,
-              "skipped_steps_in_a_row": state.bad_in_a_row, "truncated_prompts": state.truncated_prompts}
-    if is_moe(run.model):
-        record["aux_loss"] = aux / world
-    return record
-
-
-def accumulate_gradients(run, batch, args, entropy_coef):
-    """Steps 7-12 over S micro-batches: current log-probs through `run.model` (the DDP wrapper), the loss,
-    backward. Gradients add up over micro-batches; DDP all-reduces them on the last one only."""
-    model, world = run.model, run.world
-    rows, width = batch["input_ids"].shape
-    # a world decision: every rank runs the same number of micro-steps (FSDP gathers in each one's forward)
-    micro = args.micro_batch_size or auto_micro_batch(rows, world_max(width, device=batch["input_ids"].device),
-                                                      args)
-    S = rows // micro                                                             # accumulation micro-steps
-    T = batch["mask"].shape[1]
-    sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0, "entropy_sum": 0.0,
-            "diff_sum": 0.0, "diff_max": 0.0, "ratio_sum": 0.0, "ratio_max": -math.inf, "neg_ratio_min": -math.inf}
-    for m in range(S):
-        sl = slice(m * micro, (m + 1) * micro)
-        if isinstance(model, DDP):
-            model.require_backward_grad_sync = m == S - 1
-        elif is_fsdp(model):  # FSDP: accumulate unsharded gradients, reduce-scatter once on the last
-            model.set_requires_gradient_sync(m == S - 1)
-        # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper; entropy in the graph only if it is used
-        with autocast(args, batch["input_ids"].device):
-            logps, entropy, aux = completion_logps(model, batch["input_ids"][sl], batch["attention_mask"][sl], T,
-                                                   chunk_size=args.logp_chunk_size,
-                                                   entropy_grad=entropy_coef != 0.0,
-                                                   entropy_chunk_size=args.entropy_chunk_size,
-                                                   **scored_distribution(args))
-        old = batch["old_logps"][sl] if batch["old_logps"] is not None else logps.detach()
-        ref = batch["ref_logps"][sl] if batch["ref_logps"] is not None else None
-        # the sampler's log-prob against the trainer's (old: the weights that sampled): rho = exp(old - sampler)
-        mask = batch["mask"][sl]
-        gap = torch.where(mask.bool(), old - batch["sampler_logps"][sl], 0.0)      # [micro, T]
-        rho = torch.exp(gap)
-        # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
-        loss, stats = grpo_loss(logps, old, batch["advantages"][sl], mask, loss_type=args.loss_type,
-                                epsilon=args.epsilon, epsilon_high=args.epsilon_high, ref_logps=ref,
-                                beta=args.beta, max_gen_len=args.max_gen_len, num_items=batch["num_items"],
-                                world_size=world, entropy=entropy, entropy_coef=entropy_coef, accum_steps=S,
-                                is_weight=importance_weights(rho, args.is_correction, args.is_cap))
-        if aux is not None:  # 12. MoE router load-balancing loss, scaled by the config's coefficient
-            loss = loss + unwrap(model).config.router_aux_loss_coef * aux / S
-            sums["aux"] += aux.item() / S
-        run.scaler.scale(loss).backward()  # fp16: loss x scale, so small gradients do not flush to zero
-        sums["loss"] += loss.item()
-        sums["policy_loss"] += stats["policy_loss"].item()
-        sums["kl_sum"] += stats.get("kl_sum", torch.tensor(0.0)).item()
-        sums["clip"] += stats["clip_ratio"].item() / S
-        sums["entropy_sum"] += (entropy.detach() * mask).sum().item()
-        on = mask.bool()
-        if on.any():
-            sums["diff_sum"] += gap.abs().sum().item()
-            sums["diff_max"] = max(sums["diff_max"], gap.abs().max().item())
-            sums["ratio_sum"] += rho[on].sum().item()
-            sums["ratio_max"] = max(sums["ratio_max"], rho[on].max().item())
-            sums["neg_ratio_min"] = max(sums["neg_ratio_min"], -rho[on].min().item())
-    return sums
-
-
-def auto_micro_batch(rows, width, args):
-    """Rows per micro-batch when --micro_batch_size is 0: all of them for the built-in model; for a real
-    model the largest divisor of rows whose micro-batch holds at most --micro_batch_tokens tokens."""
-    if not args.model_name_or_path:
-        return rows
-    return max([d for d in range(1, rows + 1) if rows % d == 0 and d * width <= args.micro_batch_tokens] or [1])
-
-
-def use_static_cache(args, device):
-    return args.rollout_cache == "static" or (args.rollout_cache == "auto" and torch.device(device).type == "cuda")
-
-
-def reset_peak_memory(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory_gib(device):
-    """CUDA: the most allocated since this step began. CPU: the process's peak resident memory so far."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20                # KiB on Linux
-
-
-def clipped_optimizer_step(run, grad_clip, loss, state):
-    """Step 13: unscale (fp16), clip the global grad norm, step, zero the gradients. A step whose loss or grad
-    norm is not finite on any rank is skipped on every rank (a world decision), and counted; under fp16 the
-    loss scale then halves on every rank, and doubles after 2,000 good steps in a row (GradScaler's rule)."""
-    policy, optimizer, scaler = unwrap(run.model), run.optimizer, run.scaler
-    scaler.unscale_(optimizer)  # the gradients of the true loss: clipping and the norm see real values
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
-        grad_norm = grad_norm.full_tensor()
-    n_bad = world_sum(not (torch.isfinite(grad_norm) and math.isfinite(loss)), device=run.device)[0]
-    if n_bad == 0:
-        scaler.step(optimizer)  # = optimizer.step() (no rank holds an inf gradient: the world norm is finite)
-        scaler.update()
-        state.bad_in_a_row = 0
-    else:
-        state.bad_in_a_row += 1
-        if scaler.is_enabled():  # lower the scale on every rank alike (a rank's own check may have seen no inf)
-            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
-            scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-# ----------------------------------------------------------------------------------------------------
-# Resume, log, save (step 14)
-# ----------------------------------------------------------------------------------------------------
 def resume(args, ckpt, run, scheduler, rank, metrics_path):
-    """Restore weights, optimizer, loss scale, scheduler, loop state and this rank's RNG; trim the log to
-    the checkpoint."""
+    """Restore weights, optimizer, loss scale, scheduler, loop state and this rank's RNG; trim the
+    log to the checkpoint."""
     policy, optimizer = unwrap(run.model), run.optimizer
     load_weights(policy, ckpt, trust_remote_code=bool(args.trust_remote_code))
-    saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
+    saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu",
+                       weights_only=True)
     optimizer_state = saved.pop("optimizer")
     if is_fsdp(policy):
         shard = os.path.join(ckpt, f"optimizer_{rank}.pt")
         if not os.path.isfile(shard):
-            raise TrainerError(f"checkpoint {ckpt} has no {os.path.basename(shard)} (it was written without "
-                               "--fsdp 1, or by fewer ranks)")
-        load_local_optimizer_state(optimizer, torch.load(shard, map_location="cpu", weights_only=True))
+            raise TrainerError(f"checkpoint {ckpt} has no {os.path.basename(shard)} (it was "
+                               "written without --fsdp 1, or by fewer ranks)")
+        shard_state = torch.load(shard, map_location="cpu", weights_only=True)
+        load_local_optimizer_state(optimizer, shard_state)
     elif optimizer_state is None:
         raise TrainerError(f"checkpoint {ckpt} was written under --fsdp 1; resume it with --fsdp 1")
     else:
@@ -1554,7 +1907,8 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
     state = TrainState(**saved)
     rng_file = os.path.join(ckpt, f"rng_state_{rank}.pt")
     if not os.path.isfile(rng_file):
-        raise TrainerError(f"checkpoint {ckpt} was written by fewer ranks (no {os.path.basename(rng_file)})")
+        raise TrainerError(f"checkpoint {ckpt} was written by fewer ranks (no "
+                           f"{os.path.basename(rng_file)})")
     set_rng_state(torch.load(rng_file, weights_only=True))
     if rank == 0:  # keep the log of the steps this checkpoint contains, drop any logged after it
         kept = []
@@ -1566,8 +1920,49 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
     return state
 
 
+# --------------------------------------------------------------------------------------------------
+# Evaluation and reporting
+# --------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=256):
+    """Mean of score(greedy completion, row) over the held-out rows, all ranks together."""
+    mine = eval_rows[rank::world]
+    correct = 0.0
+    # a world decision: every rank runs as many rollouts as the busiest one (under FSDP each rollout
+    # gathers the weights, a collective); a rank out of rows generates for a stand-in prompt and
+    # scores nothing
+    n_batches = int(world_max(math.ceil(len(mine) / batch), device=device))
+    for b in range(n_batches):
+        rows = mine[b * batch:(b + 1) * batch]
+        prompts = [r["prompt"] for r in rows] or [eval_rows[0]["prompt"]]
+        ids, am, _ = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
+        with autocast(args, device):
+            comp, mask, *_ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len,
+                                     do_sample=False,
+                                    static_cache=use_static_cache(args, device))
+        texts = decode_completions(tokenizer, comp, mask)
+        correct += sum(score(t, r) for t, r in zip(texts, rows))
+    c, n = world_sum(correct, len(mine), device=device)
+    return c / max(n, 1)
+
+
+def reset_peak_memory(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gib(device):
+    """CUDA: the most allocated since this step began. CPU: the process's peak resident memory so
+    far."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20                # KiB on Linux
+
+
 def log_metrics(metrics_path, record, rank, report=None):
-    """Rank 0 appends the record to metrics.jsonl, and hands it to --report_to's logger if there is one."""
+    """Rank 0 appends the record to metrics.jsonl, and hands it to --report_to's logger if there is
+    one."""
     if rank == 0:
         with open(metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -1576,10 +1971,11 @@ def log_metrics(metrics_path, record, rank, report=None):
 
 
 def open_report(args, rank, resumed_at=None):
-    """--report_to: (send(record), close()) for wandb or TensorBoard on rank 0, else (None, None). Imported
-    only when asked: neither package is a requirement of the trainer. A resumed run continues the same run:
-    TensorBoard purges the points logged after the checkpoint; wandb reopens the run by the id kept in
-    save_dir (it keeps the points it already holds: wandb refuses to log a step twice)."""
+    """--report_to: (send(record), close()) for wandb or TensorBoard on rank 0, else (None, None).
+    Imported only when asked: neither package is a requirement of the trainer. A resumed run
+    continues the same run: TensorBoard purges the points logged after the checkpoint; wandb reopens
+    the run by the id kept in save_dir (it keeps the points it already holds: wandb refuses to log a
+    step twice)."""
     if args.report_to == "none" or rank != 0:
         return None, None
     name = args.run_name or os.path.basename(os.path.normpath(args.save_dir))
@@ -1589,9 +1985,11 @@ def open_report(args, rank, resumed_at=None):
         if resumed_at is None or not os.path.isfile(id_file):
             with open(id_file, "w") as f:
                 f.write(os.urandom(4).hex())  # not from the seeded RNGs: the run stays reproducible
-        run = wandb.init(project="train_grpo", name=name, dir=args.save_dir, config=dataclasses.asdict(args),
+        run = wandb.init(project="train_grpo", name=name, dir=args.save_dir,
+                         config=dataclasses.asdict(args),
                          id=open(id_file).read().strip(), resume="allow")
-        return (lambda record: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]),
+        return (lambda record: run.log({k: v for k, v in record.items() if k != "step"},
+                                       step=record["step"]),
                 run.finish)
     from torch.utils.tensorboard import SummaryWriter
     writer = SummaryWriter(os.path.join(args.save_dir, "tensorboard", name),
@@ -1607,7 +2005,8 @@ def open_report(args, rank, resumed_at=None):
 
 def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank):
     """Rank 0: the final model as a plain transformers directory, and one summary line."""
-    weights = full_state_dict(policy) if state.step == args.max_steps else None  # FSDP: every rank gathers
+    # FSDP: every rank gathers
+    weights = full_state_dict(policy) if state.step == args.max_steps else None
     if rank != 0:
         return
     where = find_checkpoint(args.save_dir)
@@ -1619,42 +2018,13 @@ def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank
     evals = [(r["step"], r[eval_key]) for r in map(json.loads, open(metrics_path)) if eval_key in r]
     held_out = (f"held-out {eval_key} {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
                 f"(step {evals[-1][0]})" if evals else "no held-out eval (--eval_interval 0)")
-    print(f"done: step {state.step} of {args.max_steps} in {time.time() - started:.0f} s; {held_out}; "
-          f"model: {where}")
+    print(f"done: step {state.step} of {args.max_steps} in {time.time() - started:.0f} s; "
+          f"{held_out}; model: {where}")
 
 
-def save(args, run, scheduler, state, rank):
-    # DDP: every rank holds the same AdamW state, rank 0 saves it; FSDP: each rank saves its own shard
-    shard = local_optimizer_state(run.optimizer) if is_fsdp(run.model) else None
-    trainer_state = {**dataclasses.asdict(state), "scheduler": scheduler.state_dict(),
-                     "scaler": run.scaler.state_dict(),  # fp16's loss scale and its run of good steps
-                     "optimizer": None if shard is not None else run.optimizer.state_dict()}
-    save_checkpoint(args.save_dir, state.step, run.model, run.tokenizer, trainer_state, rank, optimizer_shard=shard)
-
-
-def local_optimizer_state(optimizer):
-    """This rank's AdamW state with its DTensors as plain local shards (what weights_only=True loads)."""
-    sd = optimizer.state_dict()
-    sd["state"] = {i: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in st.items()}
-                   for i, st in sd["state"].items()}
-    return sd
-
-
-def load_local_optimizer_state(optimizer, sd):
-    """The inverse: each local shard becomes a DTensor laid out like its parameter again."""
-    from torch.distributed.tensor import DTensor
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for i, st in sd["state"].items():
-        p = params[int(i)]
-        for k, v in st.items():
-            if isinstance(p, DTensor) and v.dim() > 0:
-                st[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-    optimizer.load_state_dict(sd)
-
-
-# ----------------------------------------------------------------------------------------------------
-# main: set-up, then the loop in plain sight
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
     rank, world, device = setup_distributed(args)
@@ -1665,100 +2035,15 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-def train(args, rank, world, device):
-    master, started = rank == 0, time.time()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-
-    # --- model, data, DDP, reference, optimizer ---
-    policy, tokenizer = load_model_and_tokenizer(args, device)
-    train_rows, eval_rows, reward_fns, weights, (eval_key, score) = load_task(args, tokenizer, world)
-    if master:
-        print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never trained on")
-    sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank, shuffle=True,
-                                 seed=args.seed, drop_last=True)
-    model = (shard_fsdp(policy, args, world) if args.fsdp else wrap_ddp(policy, device)) if world > 1 else policy
-    if not args.model_name_or_path and args.sft_warmup_steps > 0:
-        # deterministic, so a resumed run redoes it and gets the same reference model
-        sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
-    ref_model = None
-    if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
-        ref_model = frozen_copy(policy, getattr(torch, args.dtype))
-    optimizer, scheduler = build_optimizer(policy, args)
-    # fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none); inert otherwise
-    scaler = torch.amp.GradScaler(torch.device(device).type, enabled=args.dtype == "float16")
-    run = Run(model, ref_model, optimizer, scaler, tokenizer, reward_fns, weights, world, device)
-
-    # --- fresh start or resume ---
-    if master:
-        os.makedirs(args.save_dir, exist_ok=True)
-    metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
-    ckpt = find_checkpoint(args.save_dir) if args.resume == "auto" else (args.resume or None)
-    if ckpt:
-        state = resume(args, ckpt, run, scheduler, rank, metrics_path)
-        report, close_report = open_report(args, rank, resumed_at=state.step)
-    else:
-        report, close_report = open_report(args, rank)
-        state = TrainState(entropy_coef=args.entropy_coef, entropy_coef_applied=args.entropy_coef)
-        torch.manual_seed(args.seed + 1 + rank)  # ranks sample differently; RNG no longer depends on the warmup
-        random.seed(args.seed + 1 + rank)
-        if master:
-            open(metrics_path, "w").close()
-        if args.eval_interval > 0:
-            acc = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
-            log_metrics(metrics_path, {"step": 0, eval_key: acc}, rank, report)
-            if master:
-                print(f"{eval_key} before GRPO: {acc:.3f}")
-
-    # --- the loop: prompts, one GRPO step, schedule, evaluate, log, save ---
-    model.train()
-    warned_cut = False
-    bar = tqdm(range(state.step + 1, args.max_steps + 1), initial=state.step, total=args.max_steps,
-               disable=not master, desc="grpo")
-    for step in bar:
-        state.step = step
-        rows = next_prompts(sampler, train_rows, state, args.batch_size)
-        cut_before = state.truncated_prompts
-        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-        record = {"step": step, **grpo_step(args, run, rows, state), "lr": lr}
-        scheduler.step()
-        if state.truncated_prompts > cut_before and not warned_cut and master:
-            print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are left-truncated")
-            warned_cut = True
-        if state.bad_in_a_row >= 3:
-            raise TrainerError(f"step {step}: loss or grad norm not finite for 3 steps in a row; stopping "
-                               f"(last good checkpoint: {find_checkpoint(args.save_dir) or 'none'})")
-        if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
-            record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
-        log_metrics(metrics_path, record, rank, report)
-        bar.set_postfix(reward=f"{record['reward']:.3f}", eval=record.get(eval_key, ""),
-                        gen=f"{record['generate_share']:.0%}", mem=f"{record['peak_mem_gib']:.1f}G",
-                        is_max=f"{record['is_ratio_max']:.3f}")
-        stopping = args.stop_after and step >= args.stop_after
-        if (args.save_interval and step % args.save_interval == 0) or step == args.max_steps or stopping:
-            save(args, run, scheduler, state, rank)
-        if stopping:
-            break
-
-    finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank)
-    if close_report is not None:
-        close_report()
-    barrier()
-    return {"model": policy, "step": state.step, "entropy_coef": state.entropy_coef,
-            "entropy_coef_applied": state.entropy_coef_applied, "world_entropy": state.world_entropy}
-
-
 def cli(argv=None):
-    """The command line: train; a problem with the user's input is one line `error: ...` and exit status 1
-    (a bad flag: exit status 2, from the parser)."""
+    """The command line: train; a problem with the user's input is one line `error: ...` and exit
+    status 1 (a bad flag: exit status 2, from the parser)."""
     try:
         main(argv)
     except TrainerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(cli())

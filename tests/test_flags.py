@@ -105,3 +105,25 @@ def test_the_real_command_line_says_the_same(tmp_path, argv, flag):
     assert [l for l in res.stderr.splitlines() if l.startswith("error:")] == [l for l in res.stderr.splitlines()
                                                                                if l.strip()]
     assert flag in res.stderr and not (tmp_path / "run").exists()
+
+
+def test_help_shows_every_flag_with_its_default_under_its_group():
+    """--help lists each Args field under the group its comment in Args names, with its default."""
+    import dataclasses
+    import re
+    groups, group_of = [], {}
+    for line in open(os.path.join(ROOT, "train_grpo.py")).read().split("class Args:")[1].split("\n\n\n")[0].split("\n"):
+        if re.fullmatch(r"    # .+", line):
+            groups.append(line.strip()[2:])
+        elif re.match(r"    \w+: ", line):
+            group_of[line.split(":")[0].strip()] = groups[-1]
+    text = tg.build_parser().format_help()
+    starts = {g: text.index(f"\n{g}:\n") for g in groups}
+    assert list(starts.values()) == sorted(starts.values())            # the groups in Args' order
+    bounds = dict(zip(groups, [*list(starts.values())[1:], len(text)]))
+    for f in dataclasses.fields(tg.Args):
+        at = text.index(f"\n  --{f.name} ")
+        g = group_of[f.name]
+        assert starts[g] < at < bounds[g], f"--{f.name} is not under '{g}'"
+        entry = " ".join(text[at:].split("\n  --")[1].split("\n\n")[0].split())  # this flag's lines
+        assert entry.endswith(f"(default: {f.default!r})"), entry
