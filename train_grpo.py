@@ -274,9 +274,11 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     # stop on, and mask after, every EOS the checkpoint declares
     eos = eos_token_ids(policy, tokenizer)
     sampler = SamplerLogps(temperature, top_k, top_p) if do_sample else None
+    # generate's own temperature/top-k/top-p off (SamplerLogps applies them); top_k 0, not the
+    # library's default 50, when sampling
     config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample, temperature=1.0,
-                              top_p=1.0,
-                              top_k=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                              top_p=1.0, top_k=0 if do_sample else None,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                               bos_token_id=tokenizer.bos_token_id,
                               cache_implementation="static" if static_cache else None,
                               compile_config=compile_config)

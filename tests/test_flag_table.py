@@ -148,8 +148,11 @@ FLAGS = {
     "max_prompt_len": [step(3, lambda d, f: f.record["truncated_prompts"] == 2 and d.record["truncated_prompts"] == 0)],
     "max_gen_len": [step(3, lambda d, f: tokens_shape(f) == 3 and tokens_shape(d) == 6)],
     "temperature": [step(0.5, lambda d, f: f.record["entropy"] < d.record["entropy"])],
-    "top_p": [step(0.5, lambda d, f: sampler(f).top_p == 0.5 and sampler(d).top_p == 1 and tokens_differ(d, f))],
-    "top_k": [step(1, lambda d, f: sampler(f).top_k == 1 and sampler(d).top_k == 0 and tokens_differ(d, f))],
+    # the rollout's processor applies top-p/top-k; generate's own stay off (its default top_k is 50)
+    "top_p": [step(0.5, lambda d, f: sampler(f).top_p == 0.5 and sampler(d).top_p == 1 and tokens_differ(d, f)
+                   and config(f).top_p == 1.0)],
+    "top_k": [step(1, lambda d, f: sampler(f).top_k == 1 and sampler(d).top_k == 0 and tokens_differ(d, f)
+                   and config(f).top_k == config(d).top_k == 0)],
     "sampling_replay": [step(0, lambda d, f: f.record["is_ratio_max"] < 0.999 < d.record["is_ratio_min"],
                              top_p=0.5)],  # off: the full distribution is scored, rho = kept mass < 1
     "mask_truncated_completions": [step(1, lambda d, f: d.record["truncated_frac"] > 0

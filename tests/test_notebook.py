@@ -30,3 +30,19 @@ def test_every_code_cell_runs(tmp_path, monkeypatch):
             assert "def grpo_loss" not in code and "def compute_advantages" not in code  # imports, never re-implements
             exec(compile(code, f"cell {i}", "exec"), ns)
     assert ns["evals"] and ns["steps"]
+
+
+def test_every_number_the_prose_quotes_is_what_a_cell_printed():
+    """The prose marks each number it quotes, `0.977<!-- acc_after -->` (the mark does not render); a cell
+    prints it as `quoted acc_after = 0.977`. Text and stored outputs cannot drift apart."""
+    import re
+    nb = json.load(open(NB))
+    printed = {}
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []):
+            for name, value in re.findall(r"quoted (\w+) = (\S+)", "".join(out.get("text", ""))):
+                printed[name] = value
+    quoted = [(name, value) for cell in nb["cells"] if cell["cell_type"] == "markdown"
+              for value, name in re.findall(r"([-+]?\d[\d.e+-]*)<!-- (\w+) -->", "".join(cell["source"]))]
+    assert len(quoted) >= 20
+    assert [(name, printed.get(name)) for name, _ in quoted] == quoted
