@@ -181,8 +181,8 @@ class Args:
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
     """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
     Returns input_ids [B, P], attention_mask [B, P] and how many prompts were cut."""
-    ids = [tokenizer(p, add_special_tokens=not getattr(tokenizer, "chat_template",
-                                                       None)).input_ids for p in prompts]
+    chat = getattr(tokenizer, "chat_template", None)  # a chat template writes the special tokens
+    ids = [tokenizer(p, add_special_tokens=not chat).input_ids for p in prompts]
     n_cut = sum(len(x) > max_prompt_len for x in ids)
     ids = [x[-max_prompt_len:] for x in ids]
     width = max(len(x) for x in ids)
@@ -205,14 +205,13 @@ def eos_token_ids(model, tokenizer):
 def completion_mask(completion_ids, eos_token_id):
     # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after;
     # eos_token_id: one id or a list (any of them ends the completion)
-    # [rows, T]
-    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_id, device=completion_ids.device))
+    eos = torch.as_tensor(eos_token_id, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos)                                      # [rows, T]
     T = completion_ids.shape[1]
     never = torch.full_like(is_eos[:, 0], T, dtype=torch.long)
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)
     positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
-    # mask [rows, T], truncated [rows]
-    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)
+    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)  # mask [rows, T], truncated
 
 
 def truncate_logits(z, top_k=0, top_p=1.0, keep=None):
@@ -299,8 +298,7 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     finally:
         policy.generation_config = checkpoint_config
         policy.train(was_training)
-    # [rows, T <= max_gen_len]
-    completion_ids = out[:, input_ids.shape[1]:]
+    completion_ids = out[:, input_ids.shape[1]:]                                  # [rows, T]
     mask, truncated = completion_mask(completion_ids, eos)
     sampler_logps = None
     # after EOS generate writes pads, which the truncation may have dropped (-inf)
@@ -318,8 +316,8 @@ def decode_completions(tokenizer, completion_ids, mask):
 # Steps 3-4. Rewards and advantages
 # --------------------------------------------------------------------------------------------------
 def compute_rewards(reward_fns, weights, completions, rows):
-    # r_i = sum_k w_k * reward_k(o_i, **row_i); a reward that raises or is not a finite number names
-    # the sample
+    # r_i = sum_k w_k * reward_k(o_i, **row_i); a reward that raises, or returns anything but a
+    # finite number, stops the run with the sample named
     rewards = torch.zeros(len(completions))
     for fn, w in zip(reward_fns, weights):
         for i, (c, row) in enumerate(zip(completions, rows)):
@@ -340,9 +338,8 @@ def compute_rewards(reward_fns, weights, completions, rows):
 
 
 def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
-    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4); std is the unbiased sample std, as in
-    # TRL. "batch" divides by batch_std (the trainer passes the std over all ranks), else by this
-    # batch's std
+    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), std with n - 1 (torch.std, as TRL).
+    # "batch" divides by batch_std (the trainer passes all ranks' std), else by this batch's std
     grouped = rewards.view(-1, num_generations)                                   # [B, G]
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_rewards == "group":
@@ -369,21 +366,18 @@ def selective_log_softmax(logits, index):
 
 
 def entropy_from_logits(logits, chunk_size=128):
-    # H = logsumexp(z) - sum_v softmax(z)_v * z_v, over chunks of rows of the flattened [N, V]
-    # logits
+    # H = logsumexp(z) - sum_v softmax(z)_v * z_v, over chunks of rows of the flat [N, V] logits
     flat = logits.reshape(-1, logits.shape[-1])                                   # [N, V]
     chunks = []
     for s in range(0, flat.shape[0], chunk_size):
         z = flat[s:s + chunk_size].float()
         chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
-    # logits.shape without V
-    return torch.cat(chunks).view(logits.shape[:-1])
+    return torch.cat(chunks).view(logits.shape[:-1])                              # without V
 
 
 def lm_logits(model, hidden):
     # z = lm_head(h), then what the model's own forward applies after it: Cohere z * logit_scale,
-    # Granite z / logits_scaling, Gemma-2/3 cap * tanh(z / cap). check_output_head() refuses any
-    # other.
+    # Granite z / logits_scaling, Gemma-2/3 cap * tanh(z / cap); check_output_head() refuses others
     config = model.config.get_text_config()
     z = model.get_output_embeddings()(hidden)
     if getattr(config, "logit_scale", None) is not None:
@@ -401,11 +395,9 @@ def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entro
     anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear).
     sampling: temperature, top_k, top_p of the distribution to score (top_k 0, top_p 1: the full
     one)."""
-    # [c, V]: the one fp32 copy (bf16 under autocast)
-    logits = lm_head(hidden).float()
+    logits = lm_head(hidden).float()           # [c, V]: the one fp32 copy (bf16 under autocast)
     if sampling["temperature"] != 1.0:
-        # in place: no second [c, V] tensor (nothing saved it)
-        logits.div_(sampling["temperature"])
+        logits.div_(sampling["temperature"])   # in place: no second [c, V] (nothing saved it)
     # sampling replay: score under the truncation the sampler used, renormalized over the kept set
     # (the sampled token always kept): logp = z[o] - logsumexp(z[kept])
     scored = truncate_logits(logits, sampling["top_k"], sampling["top_p"], keep=targets)
@@ -421,8 +413,7 @@ def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entro
 
 
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
-                     top_k=0,
-                     top_p=1.0, chunk_size=0, entropy_grad=False, entropy_chunk_size=128,
+                     top_k=0, top_p=1.0, chunk_size=0, entropy_grad=False, entropy_chunk_size=128,
                      with_entropy=True):
     """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states
     through lm_head in chunks of chunk_size tokens (0: auto_chunk_tokens(V)), so [rows, T, V] logits
@@ -434,36 +425,31 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     Returns logps [rows, T], entropy [rows, T] (graph only if entropy_grad), router aux loss (MoE)
     or None."""
     T = num_completion_tokens
-    # as generate() computes them
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)   # as generate() computes them
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False)
     moe, aux = hasattr(unwrap(model).config, "router_aux_loss_coef"), None
-    # FSDP: only the root's forward gathers embeddings and norm
-    if torch.is_grad_enabled() or is_fsdp(model):
+    if torch.is_grad_enabled() or is_fsdp(model):  # FSDP: the root's forward gathers embeddings
         # logits_to_keep=1: the model's own lm_head runs on the last position only ([rows, 1, V],
-        # not [rows, P+T, V]); the log-probs come from the hidden states through lm_head in chunks
-        # below
+        # not [rows, P+T, V]); the log-probs come from the hidden states through lm_head, below
         out = model(**inputs, output_hidden_states=True, logits_to_keep=1,
                     **({"output_router_logits": True} if moe else {}))
         hidden, aux = out.hidden_states[-1], getattr(out, "aux_loss", None) if moe else None
     else:
         hidden = unwrap(model).get_decoder()(**inputs).last_hidden_state
-    # [rows, T, H]: state before token t
-    hidden = hidden[:, -T - 1:-1, :]
+    hidden = hidden[:, -T - 1:-1, :]                                  # [rows, T, H]: before token t
     targets = input_ids[:, -T:]                                                   # [rows, T]
-    # lm_head + the model's post-processing
-    head = functools.partial(lm_logits, unwrap(model))
+    head = functools.partial(lm_logits, unwrap(model))      # lm_head + the model's post-processing
     # truncating holds a few more [c, V] tensors (the sort's values and indices, a mask): a smaller
     # auto chunk
     truncating = top_k > 0 or top_p < 1.0
     vocab = unwrap(model).get_output_embeddings().weight.shape[0]
     chunk_size = chunk_size or auto_chunk_tokens(vocab) // (4 if truncating else 1) or 1
     logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature, top_k=top_k,
-                                   top_p=top_p,
-                                   chunk_size=chunk_size, entropy_grad=entropy_grad,
+                                   top_p=top_p, chunk_size=chunk_size, entropy_grad=entropy_grad,
                                    entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
     return logps, entropy, aux
+
 
 # The largest tensor of a step is one chunk's logits, [tokens, V]: bounded in bytes, it does not
 # grow with the vocabulary (a fixed token count would be 622 MB at 1,024 x 151,936 in fp32, 2.5x
@@ -487,8 +473,7 @@ def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     for s in range(0, rows * T, chunk_size):
         h, y = flat_hidden[s:s + chunk_size], flat_targets[s:s + chunk_size]
-        # keep only the chunk's inputs; recompute its logits in backward
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # keep the chunk's inputs; recompute its logits in backward
             lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, sampling, entropy_grad,
                                  entropy_chunk_size, with_entropy, use_reentrant=False)
         else:
@@ -504,8 +489,7 @@ def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1
 # --------------------------------------------------------------------------------------------------
 def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1,
               accum_steps=1):
-    """Turn a per-token quantity [rows, T] into the scalar the loss uses (step 9's table in the
-    README)."""
+    """A per-token quantity [rows, T] -> the scalar the loss uses (the README's step 9 table)."""
     total = per_token * mask
     if loss_type == "grpo":     # mean_i [ sum_t L m / max(sum_t m, 1) ] / S
         return (total.sum(1) / mask.sum(1).clamp(min=1)).mean() / accum_steps
@@ -513,17 +497,18 @@ def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, w
         return total.sum() / mask.sum().clamp(min=1) / accum_steps
     if loss_type == "dr_grpo":  # sum L m / (rows * L_max) / S
         return total.sum() / (mask.shape[0] * (max_gen_len or mask.shape[1])) / accum_steps
-    # sum L m / (N / world_size): N = masked tokens of the whole step, all ranks
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo"):  # sum L m / (N / world_size), N: the step's masked tokens
         n = num_items if num_items is not None else mask.sum()
         return total.sum() / max(float(n) / world_size, 1.0)
     raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
 
 
 def importance_weights(ratio, kind, cap):
-    # the sampler drew o from pi_sampler, the loss scores pi_trainer: rho = exp(logp_trainer -
-    # logp_sampler), and tis: w = min(rho, C) (truncated importance sampling); mis: w = 1[1/C <= rho
-    # <= C] (masked); none: w = 1
+    # the sampler drew o from pi_sampler, the loss scores pi_trainer: per token
+    #   rho = exp(logp_trainer - logp_sampler)
+    #   tis (truncated importance sampling): w = min(rho, C)
+    #   mis (masked importance sampling):    w = 1[1/C <= rho <= C]
+    #   none: no weight
     if kind == "tis":
         return torch.clamp(ratio, max=cap)
     if kind == "mis":
@@ -532,10 +517,8 @@ def importance_weights(ratio, kind, cap):
 
 
 def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high,
-              ref_logps=None, beta=0.0,
-              max_gen_len=None, num_items=None, world_size=1, entropy=None, entropy_coef=0.0,
-              accum_steps=1,
-              is_weight=None):
+              ref_logps=None, beta=0.0, max_gen_len=None, num_items=None, world_size=1,
+              entropy=None, entropy_coef=0.0, accum_steps=1, is_weight=None):
     """logps/old_logps/ref_logps/mask/entropy/is_weight: [rows, T]; advantages: [rows]. Returns
     (loss, stats). old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy.
     is_weight: a detached per-token weight of the policy term (importance_weights: the
@@ -546,8 +529,7 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
     # r = exp(logp - old): value 1 on-policy, gradient r * dlogp (old carries no graph)
     ratio = torch.exp(logps - old_logps)
     if loss_type == "cispo":
-        # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free importance weight on a
-        # REINFORCE term
+        # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free weight on a REINFORCE term
         pg = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
         clipped = ratio > epsilon_high
     else:
@@ -559,20 +541,17 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
         pg = is_weight * pg                                                       # L <- sg(w) * L
     per_token = pg  # the policy-gradient term; the KL and entropy terms join it below
     norm = dict(loss_type=loss_type, max_gen_len=max_gen_len, num_items=num_items,
-                world_size=world_size,
-                accum_steps=accum_steps)
+                world_size=world_size, accum_steps=accum_steps)
     stats = {}
     if beta > 0:
         # k3: KL = exp(ref - logp) - (ref - logp) - 1, added as + beta * KL
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
-        # logged: a sum and a count
-        stats["kl_sum"] = (kl * mask).sum().detach()
+        stats["kl_sum"] = (kl * mask).sum().detach()                              # logged: a sum
         stats["kl"] = stats["kl_sum"] / mask.sum().clamp(min=1)
     if entropy is not None and entropy_coef != 0.0:
-        # loss <- loss - alpha * H
-        per_token = per_token - entropy_coef * entropy
+        per_token = per_token - entropy_coef * entropy                            # - alpha * H
     loss = aggregate(per_token, mask, **norm)
     stats["policy_loss"] = aggregate(pg.detach(), mask, **norm)
     stats["clip_ratio"] = (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
@@ -580,8 +559,8 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
 
 
 def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_max):
-    # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min); applied alpha = c if
-    # H_w < target else 0
+    # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min)
+    # the next step applies alpha = c if H_w < target else 0
     if world_entropy < target:
         new = min(coef + delta, coef_max)
         return new, new
@@ -589,15 +568,13 @@ def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_ma
 
 
 def world_mean(local_sum, local_count, device="cpu"):
-    # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of per-rank
-    # means
+    # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of rank means
     total, count = world_sum(local_sum, local_count, device=device)
     return total / max(count, 1.0)
 
 
 def world_std(values, device="cpu"):
-    # unbiased std over all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in
-    # float64
+    # std (n - 1) of all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in fp64
     s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(),
                          device=device)
     return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
@@ -624,8 +601,8 @@ def world_sum(*values, device="cpu"):
 # --------------------------------------------------------------------------------------------------
 def lr_factor(step, *, warmup_steps, max_steps, schedule):
     # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
-    # (constant) or 0.5 (1 + cos(pi * progress)) (cosine), progress = (step - warmup) / (max_steps -
-    # warmup)
+    # (constant) or 0.5 (1 + cos(pi * progress)) (cosine), progress = (step - warmup) /
+    # (max_steps - warmup)
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if schedule == "constant":
@@ -648,22 +625,19 @@ def clipped_optimizer_step(run, grad_clip, loss, state):
     counted; under fp16 the loss scale then halves on every rank, and doubles after 2,000 good steps
     in a row (GradScaler's rule)."""
     policy, optimizer, scaler = unwrap(run.model), run.optimizer, run.scaler
-    # the gradients of the true loss: clipping and the norm see real values
-    scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(),
-                                               grad_clip if grad_clip > 0 else float("inf"))
+    scaler.unscale_(optimizer)  # the true loss's gradients: clipping and the norm see real values
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
     n_bad = world_sum(not (torch.isfinite(grad_norm) and math.isfinite(loss)), device=run.device)[0]
     if n_bad == 0:
-        # = optimizer.step() (no rank holds an inf gradient: the world norm is finite)
-        scaler.step(optimizer)
+        scaler.step(optimizer)  # optimizer.step(): no rank holds an inf (finite world norm)
         scaler.update()
         state.bad_in_a_row = 0
     else:
         state.bad_in_a_row += 1
-        # lower the scale on every rank alike (a rank's own check may have seen no inf)
-        if scaler.is_enabled():
+        if scaler.is_enabled():  # every rank lowers its scale alike (its own check may see no inf)
             scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
             scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
     optimizer.zero_grad(set_to_none=True)
@@ -682,20 +656,17 @@ class TrainState:
     entropy_coef: float = 0.0          # c: the adaptive coefficient (or the static alpha)
     entropy_coef_applied: float = 0.0  # alpha used in the next step's loss
     world_entropy: float = float("nan")
-    # consecutive steps skipped for a non-finite loss or grad norm
-    bad_in_a_row: int = 0
+    bad_in_a_row: int = 0              # steps skipped in a row (loss or grad norm not finite)
     truncated_prompts: int = 0         # prompts left-truncated so far, all ranks
 
 
 @dataclass
 class Run:
     """What every step uses and no step changes: built once by train(), handed to grpo_step."""
-    # the policy as the loss sees it: the DDP wrapper, or the policy itself
-    model: torch.nn.Module
+    model: torch.nn.Module       # the policy as the loss sees it: the DDP wrapper, or the policy
     ref_model: object            # frozen reference (beta > 0), else None
     optimizer: object
-    # torch.amp.GradScaler: dynamic loss scaling under --dtype float16, else inert
-    scaler: object
+    scaler: object               # torch.amp.GradScaler: loss scaling under fp16, else inert
     tokenizer: object
     reward_fns: list
     weights: list
@@ -704,8 +675,7 @@ class Run:
 
 
 def next_prompts(sampler, train_rows, state, batch_size):
-    """Step 1: this rank's B prompts, in the DistributedSampler's order (a new permutation each
-    epoch)."""
+    """Step 1: this rank's B prompts, in the DistributedSampler's order (a new one each epoch)."""
     sampler.set_epoch(state.sampler_epoch)
     order = list(sampler)
     if state.sampler_pos + batch_size > len(order):
@@ -802,58 +772,51 @@ def scored_distribution(args):
 
 
 def accumulate_gradients(run, batch, args, entropy_coef):
-    """Steps 7-12 over S micro-batches: current log-probs through `run.model` (the DDP wrapper), the
-    loss, backward. Gradients add up over micro-batches; DDP all-reduces them on the last one
-    only."""
+    """Steps 7-12 over S micro-batches: current log-probs through `run.model` (the DDP wrapper),
+    the loss, backward. Gradients add up over micro-batches; DDP all-reduces on the last only."""
     model, world = run.model, run.world
     rows, width = batch["input_ids"].shape
-    # a world decision: every rank runs the same number of micro-steps (FSDP gathers in each one's
-    # forward)
+    # a world decision: every rank runs the same number of micro-steps (FSDP gathers in each)
     widest = world_max(width, device=batch["input_ids"].device)
     micro = args.micro_batch_size or auto_micro_batch(rows, widest, args)
-    # accumulation micro-steps
-    S = rows // micro
+    S = rows // micro                                                 # accumulation micro-steps
     T = batch["mask"].shape[1]
     sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
-            "entropy_sum": 0.0,
-            "diff_sum": 0.0, "diff_max": 0.0, "ratio_sum": 0.0, "ratio_max": -math.inf,
-            "neg_ratio_min": -math.inf}
+            "entropy_sum": 0.0, "diff_sum": 0.0, "diff_max": 0.0, "ratio_sum": 0.0,
+            "ratio_max": -math.inf, "neg_ratio_min": -math.inf}
     for m in range(S):
         sl = slice(m * micro, (m + 1) * micro)
         if isinstance(model, DDP):
             model.require_backward_grad_sync = m == S - 1
         elif is_fsdp(model):  # FSDP: accumulate unsharded gradients, reduce-scatter on the last
             model.set_requires_gradient_sync(m == S - 1)
-        # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper; entropy in the graph only if
-        # it is used
+        # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper; entropy in the graph only
+        # if a bonus uses it
         with autocast(args, batch["input_ids"].device):
-            logps, entropy, aux = completion_logps(model, batch["input_ids"][sl],
-                                                   batch["attention_mask"][sl], T,
-                                                   chunk_size=args.logp_chunk_size,
-                                                   entropy_grad=entropy_coef != 0.0,
-                                                   entropy_chunk_size=args.entropy_chunk_size,
-                                                   **scored_distribution(args))
+            logps, entropy, aux = completion_logps(
+                model, batch["input_ids"][sl], batch["attention_mask"][sl], T,
+                chunk_size=args.logp_chunk_size, entropy_grad=entropy_coef != 0.0,
+                entropy_chunk_size=args.entropy_chunk_size, **scored_distribution(args))
+        # on-policy old = logp.detach(): the ratio is 1 in value, its gradient dlogp (never
+        # exp(x - x) with both sides in the graph: its gradient is 0)
         old = batch["old_logps"][sl] if batch["old_logps"] is not None else logps.detach()
         ref = batch["ref_logps"][sl] if batch["ref_logps"] is not None else None
-        # the sampler's log-prob against the trainer's (old: the weights that sampled): rho =
-        # exp(old - sampler)
+        # the sampler's log-prob against the trainer's at the weights that sampled (old):
+        # rho = exp(old - sampler)
         mask = batch["mask"][sl]
         gap = torch.where(mask.bool(), old - batch["sampler_logps"][sl], 0.0)      # [micro, T]
         rho = torch.exp(gap)
         # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
-        loss, stats = grpo_loss(logps, old, batch["advantages"][sl], mask, loss_type=args.loss_type,
-                                epsilon=args.epsilon, epsilon_high=args.epsilon_high, ref_logps=ref,
-                                beta=args.beta, max_gen_len=args.max_gen_len,
-                                num_items=batch["num_items"],
-                                world_size=world, entropy=entropy, entropy_coef=entropy_coef,
-                                accum_steps=S,
-                                is_weight=importance_weights(rho, args.is_correction, args.is_cap))
-        # 12. MoE router load-balancing loss, scaled by the config's coefficient
-        if aux is not None:
+        loss, stats = grpo_loss(
+            logps, old, batch["advantages"][sl], mask, loss_type=args.loss_type,
+            epsilon=args.epsilon, epsilon_high=args.epsilon_high, ref_logps=ref, beta=args.beta,
+            max_gen_len=args.max_gen_len, num_items=batch["num_items"], world_size=world,
+            entropy=entropy, entropy_coef=entropy_coef, accum_steps=S,
+            is_weight=importance_weights(rho, args.is_correction, args.is_cap))
+        if aux is not None:  # 12. MoE router load-balancing loss, times the config's coefficient
             loss = loss + unwrap(model).config.router_aux_loss_coef * aux / S
             sums["aux"] += aux.item() / S
-        # fp16: loss x scale, so small gradients do not flush to zero
-        run.scaler.scale(loss).backward()
+        run.scaler.scale(loss).backward()  # fp16: loss x scale, so small gradients do not flush
         sums["loss"] += loss.item()
         sums["policy_loss"] += stats["policy_loss"].item()
         sums["kl_sum"] += stats.get("kl_sum", torch.tensor(0.0)).item()
@@ -870,9 +833,8 @@ def accumulate_gradients(run, batch, args, entropy_coef):
 
 
 def auto_micro_batch(rows, width, args):
-    """Rows per micro-batch when --micro_batch_size is 0: all of them for the built-in model; for a
-    real model the largest divisor of rows whose micro-batch holds at most --micro_batch_tokens
-    tokens."""
+    """Rows per micro-batch when --micro_batch_size is 0: all of them for the built-in model; for
+    a real model the largest divisor of rows whose micro-batch holds <= --micro_batch_tokens."""
     if not args.model_name_or_path:
         return rows
     fits = [d for d in range(1, rows + 1) if rows % d == 0 and d * width <= args.micro_batch_tokens]
@@ -883,31 +845,29 @@ def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, 
                  num_items):
     """The step's record: world values (sums and counts over ranks, or the world's min and max)."""
     world, device = run.world, run.device
+    zero_std = (rewards.view(-1, G).std(1) == 0).float().mean()
     (r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut, diff,
-     ratio) = world_sum(
-        rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(), mask.sum(1).float().mean(),
-        truncated.float().mean(), (rewards.view(-1, G).std(1) == 0).float().mean(), sums["loss"],
-        sums["policy_loss"], sums["kl_sum"], sums["clip"], sums["aux"], prompts_cut,
-        first["diff_sum"],
-        first["ratio_sum"], device=device)
+     ratio) = world_sum(rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(),
+                        mask.sum(1).float().mean(), truncated.float().mean(), zero_std,
+                        sums["loss"], sums["policy_loss"], sums["kl_sum"], sums["clip"],
+                        sums["aux"], prompts_cut, first["diff_sum"], first["ratio_sum"],
+                        device=device)
     state.truncated_prompts += int(cut)
     diff_max, ratio_max, neg_ratio_min = (world_max(first[k], device=device)
                                           for k in ("diff_max", "ratio_max", "neg_ratio_min"))
+    n = max(num_items, 1.0)
     record = {"reward": r_mean / world,
               "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
               "frac_reward_zero_std": zero_std / world, "advantage_std": math.sqrt(adv_sq / world),
               "loss": loss / world, "policy_loss": pl / world,
-              "kl": kl / max(num_items, 1.0),  # a masked mean over all tokens of all ranks
+              "kl": kl / n,  # a masked mean over all tokens of all ranks
               "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
-              "clip_ratio": clip / world,
-              "completion_len": c_len / world, "truncated_frac": trunc / world,
-              # the sampler vs the trainer, per masked token: |old logp - sampler logp| and rho =
-              # exp(difference)
-              "sampler_logp_diff_mean": diff / max(num_items, 1.0),
-              "sampler_logp_diff_max": diff_max,
-              "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio / max(num_items, 1.0),
-              "is_ratio_max": ratio_max,
-              "skipped_steps_in_a_row": state.bad_in_a_row,
+              "clip_ratio": clip / world, "completion_len": c_len / world,
+              "truncated_frac": trunc / world,
+              # sampler vs trainer per masked token: |old logp - sampler logp|, rho = exp(old - it)
+              "sampler_logp_diff_mean": diff / n, "sampler_logp_diff_max": diff_max,
+              "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio / n,
+              "is_ratio_max": ratio_max, "skipped_steps_in_a_row": state.bad_in_a_row,
               "truncated_prompts": state.truncated_prompts}
     if is_moe(run.model):
         record["aux_loss"] = aux / world
@@ -918,6 +878,7 @@ def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, 
 # The loop
 # --------------------------------------------------------------------------------------------------
 def train(args, rank, world, device):
+    """Set up (model, data, DDP/FSDP, reference, optimizer), start or resume, then the loop."""
     master, started = rank == 0, time.time()
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -931,8 +892,7 @@ def train(args, rank, world, device):
         print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never "
               "trained on")
     sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
-                                 shuffle=True,
-                                 seed=args.seed, drop_last=True)
+                                 shuffle=True, seed=args.seed, drop_last=True)
     model = policy
     if world > 1:
         model = shard_fsdp(policy, args, world) if args.fsdp else wrap_ddp(policy, device)
@@ -1060,45 +1020,41 @@ def parse_args(argv=None):
 
 
 def check_args(args):
-    """Every flag against what it means, before any work: yields one message per problem, naming the
-    flag."""
+    """Every flag against what it means, before any work: one message per problem, naming it."""
     a = args
+    positive = ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
+                "entropy_chunk_size", "learning_rate", "sft_learning_rate", "micro_batch_tokens",
+                "temperature")
+    non_negative = ("micro_batch_size", "logp_chunk_size", "top_k", "beta", "weight_decay",
+                    "warmup_steps", "grad_clip", "sft_warmup_steps", "save_interval",
+                    "eval_interval", "eval_size", "stop_after", "entropy_coef_delta",
+                    "entropy_coef_min", "entropy_target")
+    rows = a.batch_size * a.num_generations
     rules = [  # (the condition that must hold, the message when it does not)
         (a.rollout_engine == "torch",
-         f"--rollout_engine {a.rollout_engine} is not available; the only engine "
-                                      "is 'torch'"),
+         f"--rollout_engine {a.rollout_engine} is not available; the only engine is 'torch'"),
         (a.num_generations >= 2,
          f"--num_generations must be >= 2 (a group of one has no baseline), got "
-                                 f"{a.num_generations}"),
-        *[(getattr(a, n) > 0, f"--{n} must be > 0, got {getattr(a, n)}")
-          for n in ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
-                    "entropy_chunk_size", "learning_rate", "sft_learning_rate",
-                    "micro_batch_tokens",
-                    "temperature")],
-        *[(getattr(a, n) >= 0, f"--{n} must be >= 0, got {getattr(a, n)}")
-          for n in ("micro_batch_size", "logp_chunk_size", "top_k", "beta", "weight_decay",
-                    "warmup_steps", "grad_clip",
-                    "sft_warmup_steps", "save_interval", "eval_interval", "eval_size", "stop_after",
-                    "entropy_coef_delta", "entropy_coef_min", "entropy_target")],
-        (not a.micro_batch_size or (a.batch_size * a.num_generations) % a.micro_batch_size == 0,
+         f"{a.num_generations}"),
+        *[(getattr(a, n) > 0, f"--{n} must be > 0, got {getattr(a, n)}") for n in positive],
+        *[(getattr(a, n) >= 0, f"--{n} must be >= 0, got {getattr(a, n)}") for n in non_negative],
+        (not a.micro_batch_size or rows % a.micro_batch_size == 0,
          f"--micro_batch_size {a.micro_batch_size} must divide batch_size * num_generations = "
-         f"{a.batch_size * a.num_generations}"),
+         f"{rows}"),
         (0 <= a.epsilon < 1, f"--epsilon must be in [0, 1), got {a.epsilon}"),
         (a.epsilon_high >= 0 or a.epsilon_high == -1.0,
-         f"--epsilon_high must be >= 0 (or -1: default), "
-                                                        f"got {a.epsilon_high}"),
+         f"--epsilon_high must be >= 0 (or -1: default), got {a.epsilon_high}"),
         (0 < a.top_p <= 1, f"--top_p must be in (0, 1], got {a.top_p}"),
         (a.is_cap > 1, f"--is_cap must be > 1, got {a.is_cap}"),
         (a.entropy_coef_min <= a.entropy_coef_max,
-         f"--entropy_coef_min {a.entropy_coef_min} must be <= "
-                                                   f"--entropy_coef_max {a.entropy_coef_max}"),
+         f"--entropy_coef_min {a.entropy_coef_min} must be <= --entropy_coef_max "
+         f"{a.entropy_coef_max}"),
         *[(math.isfinite(getattr(a, f.name)),
            f"--{f.name} must be a finite number, got {getattr(a, f.name)}")
           for f in dataclasses.fields(a) if f.type is float],
         (a.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA GPU is visible"),
         (a.dataset or not a.model_name_or_path,
-         "--model_name_or_path needs --dataset (the built-in task "
-                                                "uses its own tiny tokenizer)"),
+         "--model_name_or_path needs --dataset (the built-in task uses its own tiny tokenizer)"),
         (a.model_name_or_path or not a.dataset,
          f"--dataset {a.dataset} needs --model_name_or_path (the built-in tiny model knows only "
          "the reversal task's characters)"),
@@ -1254,10 +1210,9 @@ def make_compare_task(eval_size, seed=1234):
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
     rng.shuffle(pairs)
-    rows = [{"prompt": [{"role": "user",
-                         "content": f"Which number is larger, {a} or {b}? Answer with the "
-                                                    "number only."}], "answer": max(a, b)} for a,
-                                                    b in pairs]
+    question = "Which number is larger, {} or {}? Answer with the number only."
+    rows = [{"prompt": [{"role": "user", "content": question.format(a, b)}], "answer": max(a, b)}
+            for a, b in pairs]
     return rows[eval_size:], rows[:eval_size]
 
 
@@ -1358,9 +1313,8 @@ def load_rows(args):
                                f"{str(e).splitlines()[0] if str(e) else ''})")
     train = splits["train"] if "train" in splits else splits[list(splits)[0]]
     columns = train.column_names
-    needed = ([args.question_field,
-               args.answer_field] if args.question_field in columns or "prompt" not in columns
-              else ["prompt"])
+    uses_question = args.question_field in columns or "prompt" not in columns
+    needed = [args.question_field, args.answer_field] if uses_question else ["prompt"]
     missing = [f for f in needed if f not in columns]
     if missing:
         raise TrainerError(f"--dataset {name}: missing field(s) {', '.join(missing)} (has "
@@ -1618,8 +1572,7 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
         with autocast(args, device):
             logps, _, aux = completion_logps(model, torch.cat([ids, target], 1),
                                              torch.cat([am, torch.ones_like(target)], 1),
-                                             target.shape[1],
-                                             chunk_size=args.logp_chunk_size)
+                                             target.shape[1], chunk_size=args.logp_chunk_size)
         loss = -logps.mean()
         if aux is not None:
             loss = loss + aux * unwrap(model).config.router_aux_loss_coef
@@ -1940,8 +1893,7 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
         ids, am, _ = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
         with autocast(args, device):
             comp, mask, *_ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len,
-                                     do_sample=False,
-                                    static_cache=use_static_cache(args, device))
+                                     do_sample=False, static_cache=use_static_cache(args, device))
         texts = decode_completions(tokenizer, comp, mask)
         correct += sum(score(t, r) for t, r in zip(texts, rows))
     c, n = world_sum(correct, len(mine), device=device)
@@ -1990,9 +1942,9 @@ def open_report(args, rank, resumed_at=None):
         run = wandb.init(project="train_grpo", name=name, dir=args.save_dir,
                          config=dataclasses.asdict(args),
                          id=open(id_file).read().strip(), resume="allow")
-        return (lambda record: run.log({k: v for k, v in record.items() if k != "step"},
-                                       step=record["step"]),
-                run.finish)
+        def send_to_wandb(record):
+            run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        return send_to_wandb, run.finish
     from torch.utils.tensorboard import SummaryWriter
     writer = SummaryWriter(os.path.join(args.save_dir, "tensorboard", name),
                            purge_step=None if resumed_at is None else resumed_at + 1)

@@ -181,30 +181,34 @@ def eval_uneven(rank, world, out_dir):
     dist.destroy_process_group()
 
 
-def fp16_skip(rank, world, out_dir):
-    """--dtype float16 under DDP: step 1's gradient gets an inf on rank 1 only, after DDP's all-reduce (as one
-    rank's shard would under FSDP); step 2 is clean. Saves whether the weights moved and the loss scale."""
+def fp16_skip(rank, world, out_dir, mode="ddp"):
+    """--dtype float16 under DDP or FSDP: step 1's gradient gets an inf on rank 1 only (after DDP's
+    all-reduce; under FSDP in rank 1's own shard); step 2 is clean. Saves whether this rank's weights
+    moved and its loss scale."""
     dist.init_process_group("gloo")
     model, tok = tiny()
-    args = tg.parse_args(["--dtype", "float16", "--batch_size", "2", "--num_generations", "4"])
+    args = tg.parse_args(["--dtype", "float16", "--batch_size", "2", "--num_generations", "4",
+                          "--fsdp", str(int(mode == "fsdp"))])
+    wrapped = tg.shard_fsdp(model, args, world) if mode == "fsdp" else DDP(model)
     optimizer, _ = tg.build_optimizer(model, args)
-    run = make_run(DDP(model), tok, optimizer, world, fp16=True, reward_fns=[tg.reverse_reward], weights=[1.0])
+    run = make_run(wrapped, tok, optimizer, world, fp16=True, reward_fns=[tg.reverse_reward], weights=[1.0])
     state, out, real = tg.TrainState(), {"bad_in_a_row": []}, tg.accumulate_gradients
     train_rows, _ = tg.make_reverse_task(16)
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # FSDP: this rank's shard
     for step, tag in ((1, "after_inf"), (2, "after_good")):
         def plant(run, *a, **k):
             sums = real(run, *a, **k)
             if step == 1 and rank == 1:
-                next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = torch.inf
+                local(next(p for p in model.parameters() if p.grad is not None).grad).view(-1)[0] = torch.inf
             return sums
         tg.accumulate_gradients = plant
-        before = [p.detach().clone() for p in model.parameters()]
+        before = [local(p.detach()).clone() for p in model.parameters()]
         torch.manual_seed(rank)
         tg.grpo_step(args, run, train_rows[2 * rank:2 * rank + 2], state)
-        out[f"moved_{tag}"] = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        out[f"moved_{tag}"] = any(not torch.equal(b, local(p.detach())) for b, p in zip(before, model.parameters()))
         out[f"scale_{tag}"] = run.scaler.get_scale()
         out["bad_in_a_row"].append(state.bad_in_a_row)
     tg.accumulate_gradients = real
-    out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.save(out, os.path.join(out_dir, f"fp16_{rank}.pt"))
+    out["params"] = {k: v.clone() for k, v in tg.full_state_dict(wrapped, every_rank=True).items()}
+    torch.save(out, os.path.join(out_dir, f"fp16_{mode}_{rank}.pt"))
     dist.destroy_process_group()

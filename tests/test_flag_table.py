@@ -11,6 +11,7 @@ Flags that select (choices) have a row per choice where choices change the step.
 import ast
 import dataclasses
 import json
+import math
 import os
 import re
 
@@ -300,7 +301,7 @@ def test_held_out_evaluation_decodes_greedily():
         assert text == tok.decode(out, skip_special_tokens=True)
 
 
-def test_progress_bar_shows_reward_eval_generate_share_and_memory(tmp_path, capsys):
+def test_progress_bar_shows_reward_eval_generate_share_memory_and_the_ratio(tmp_path, capsys):
     tg.main(["--batch_size", "2", "--num_generations", "4", "--max_gen_len", "4", "--sft_warmup_steps", "0",
              "--eval_interval", "1", "--eval_size", "4", "--max_steps", "1", "--save_dir", str(tmp_path)])
     bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
@@ -309,3 +310,7 @@ def test_progress_bar_shows_reward_eval_generate_share_and_memory(tmp_path, caps
     shown_eval = float(re.search(r"eval=([0-9.]+)", last).group(1))  # tqdm writes a float with 3 digits
     assert f"reward={row['reward']:.3f}" in last and shown_eval == pytest.approx(row["eval_accuracy"], abs=5e-3)
     assert f"gen={row['generate_share']:.0%}" in last and f"mem={row['peak_mem_gib']:.1f}G" in last
+    assert f"is_max={row['is_ratio_max']:.3f}" in last                     # the sampler/trainer ratio
+    for metric in ("sampler_logp_diff_mean", "sampler_logp_diff_max", "is_ratio_min", "is_ratio_mean",
+                   "is_ratio_max"):                                       # in every step's record
+        assert math.isfinite(row[metric]), metric

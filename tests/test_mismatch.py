@@ -179,9 +179,10 @@ def test_fp16_with_loss_scaling_keeps_the_gradient_that_fp32_computes():
     assert err(scaled) < 0.01 < err(unscaled)                         # measured: 6e-4 vs 0.076
 
 
-def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(tmp_path):
-    spawn(dist_workers.fp16_skip, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"fp16_{r}.pt", weights_only=True) for r in (0, 1)]
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(tmp_path, mode):
+    spawn(dist_workers.fp16_skip, str(tmp_path), mode)
+    ranks = [torch.load(tmp_path / f"fp16_{mode}_{r}.pt", weights_only=True) for r in (0, 1)]
     for r in ranks:
         assert r["moved_after_inf"] is False and r["scale_after_inf"] == 2.0 ** 15   # skipped, halved
         assert r["moved_after_good"] is True and r["scale_after_good"] == 2.0 ** 15  # then steps again
