@@ -516,6 +516,21 @@ def importance_weights(ratio, kind, cap):
     return None
 
 
+def sampler_mismatch(gap, mask, device="cpu"):
+    """The five mismatch metrics over the masked tokens of all ranks, from gap [rows, T] = the
+    trainer's old log-prob - the sampler's: |gap| (mean, max), rho = exp(gap) (min, mean, max)."""
+    on = mask.bool()
+    diff, rho = gap[on].abs(), gap[on].exp()
+    n, diff_sum, ratio_sum = world_sum(on.sum(), diff.sum(), rho.sum(), device=device)
+    some = on.any()  # a rank without masked tokens takes no part in the world's max and min
+    diff_max, ratio_max, neg_ratio_min = world_max(
+        diff.max() if some else 0.0, rho.max() if some else -math.inf,
+        -rho.min() if some else -math.inf, device=device)
+    return {"sampler_logp_diff_mean": diff_sum / max(n, 1.0), "sampler_logp_diff_max": diff_max,
+            "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio_sum / max(n, 1.0),
+            "is_ratio_max": ratio_max}
+
+
 def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high,
               ref_logps=None, beta=0.0, max_gen_len=None, num_items=None, world_size=1,
               entropy=None, entropy_coef=0.0, accum_steps=1, is_weight=None):
@@ -580,12 +595,13 @@ def world_std(values, device="cpu"):
     return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
 
 
-def world_max(value, device="cpu"):
-    """The largest of each rank's value (identity in a single process)."""
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+def world_max(*values, device="cpu"):
+    """The largest of each rank's value, value by value, in one all-reduce (identity in a single
+    process)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return t.tolist()
 
 
 def world_sum(*values, device="cpu"):
@@ -617,6 +633,11 @@ def build_optimizer(policy, args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, warmup_steps=args.warmup_steps, max_steps=args.max_steps, schedule=args.lr_scheduler))
     return optimizer, scheduler
+
+
+def loss_scaler(dtype, device):
+    # fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none); inert otherwise
+    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
 
 
 def clipped_optimizer_step(run, grad_clip, loss, state):
@@ -777,13 +798,13 @@ def accumulate_gradients(run, batch, args, entropy_coef):
     model, world = run.model, run.world
     rows, width = batch["input_ids"].shape
     # a world decision: every rank runs the same number of micro-steps (FSDP gathers in each)
-    widest = world_max(width, device=batch["input_ids"].device)
+    widest = world_max(width, device=batch["input_ids"].device)[0]
     micro = args.micro_batch_size or auto_micro_batch(rows, widest, args)
     S = rows // micro                                                 # accumulation micro-steps
     T = batch["mask"].shape[1]
     sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
-            "entropy_sum": 0.0, "diff_sum": 0.0, "diff_max": 0.0, "ratio_sum": 0.0,
-            "ratio_max": -math.inf, "neg_ratio_min": -math.inf}
+            "entropy_sum": 0.0}
+    gaps = []                                     # old logp - sampler logp, per micro-batch
     for m in range(S):
         sl = slice(m * micro, (m + 1) * micro)
         if isinstance(model, DDP):
@@ -804,8 +825,8 @@ def accumulate_gradients(run, batch, args, entropy_coef):
         # the sampler's log-prob against the trainer's at the weights that sampled (old):
         # rho = exp(old - sampler)
         mask = batch["mask"][sl]
-        gap = torch.where(mask.bool(), old - batch["sampler_logps"][sl], 0.0)      # [micro, T]
-        rho = torch.exp(gap)
+        gaps.append(torch.where(mask.bool(), old - batch["sampler_logps"][sl], 0.0))  # [micro, T]
+        rho = torch.exp(gaps[-1])
         # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
         loss, stats = grpo_loss(
             logps, old, batch["advantages"][sl], mask, loss_type=args.loss_type,
@@ -822,13 +843,7 @@ def accumulate_gradients(run, batch, args, entropy_coef):
         sums["kl_sum"] += stats.get("kl_sum", torch.tensor(0.0)).item()
         sums["clip"] += stats["clip_ratio"].item() / S
         sums["entropy_sum"] += (entropy.detach() * mask).sum().item()
-        on = mask.bool()
-        if on.any():
-            sums["diff_sum"] += gap.abs().sum().item()
-            sums["diff_max"] = max(sums["diff_max"], gap.abs().max().item())
-            sums["ratio_sum"] += rho[on].sum().item()
-            sums["ratio_max"] = max(sums["ratio_max"], rho[on].max().item())
-            sums["neg_ratio_min"] = max(sums["neg_ratio_min"], -rho[on].min().item())
+    sums["gap"] = torch.cat(gaps)                                                # [rows, T]
     return sums
 
 
@@ -846,15 +861,12 @@ def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, 
     """The step's record: world values (sums and counts over ranks, or the world's min and max)."""
     world, device = run.world, run.device
     zero_std = (rewards.view(-1, G).std(1) == 0).float().mean()
-    (r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut, diff,
-     ratio) = world_sum(rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(),
-                        mask.sum(1).float().mean(), truncated.float().mean(), zero_std,
-                        sums["loss"], sums["policy_loss"], sums["kl_sum"], sums["clip"],
-                        sums["aux"], prompts_cut, first["diff_sum"], first["ratio_sum"],
-                        device=device)
+    (r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux,
+     cut) = world_sum(rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(),
+                      mask.sum(1).float().mean(), truncated.float().mean(), zero_std,
+                      sums["loss"], sums["policy_loss"], sums["kl_sum"], sums["clip"],
+                      sums["aux"], prompts_cut, device=device)
     state.truncated_prompts += int(cut)
-    diff_max, ratio_max, neg_ratio_min = (world_max(first[k], device=device)
-                                          for k in ("diff_max", "ratio_max", "neg_ratio_min"))
     n = max(num_items, 1.0)
     record = {"reward": r_mean / world,
               "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
@@ -864,10 +876,9 @@ def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, 
               "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
               "clip_ratio": clip / world, "completion_len": c_len / world,
               "truncated_frac": trunc / world,
-              # sampler vs trainer per masked token: |old logp - sampler logp|, rho = exp(old - it)
-              "sampler_logp_diff_mean": diff / n, "sampler_logp_diff_max": diff_max,
-              "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio / n,
-              "is_ratio_max": ratio_max, "skipped_steps_in_a_row": state.bad_in_a_row,
+              # the policy that sampled against the sampler, per masked token
+              **sampler_mismatch(first["gap"], mask, device),
+              "skipped_steps_in_a_row": state.bad_in_a_row,
               "truncated_prompts": state.truncated_prompts}
     if is_moe(run.model):
         record["aux_loss"] = aux / world
@@ -903,9 +914,8 @@ def train(args, rank, world, device):
     if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
         ref_model = frozen_copy(policy, getattr(torch, args.dtype))
     optimizer, scheduler = build_optimizer(policy, args)
-    # fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none); inert otherwise
-    scaler = torch.amp.GradScaler(torch.device(device).type, enabled=args.dtype == "float16")
-    run = Run(model, ref_model, optimizer, scaler, tokenizer, reward_fns, weights, world, device)
+    run = Run(model, ref_model, optimizer, loss_scaler(args.dtype, device), tokenizer, reward_fns,
+              weights, world, device)
 
     # --- fresh start (with the eval before any update), or resume from a checkpoint ---
     state, metrics_path, (report, close_report) = start_or_resume(
@@ -1886,7 +1896,7 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
     # a world decision: every rank runs as many rollouts as the busiest one (under FSDP each rollout
     # gathers the weights, a collective); a rank out of rows generates for a stand-in prompt and
     # scores nothing
-    n_batches = int(world_max(math.ceil(len(mine) / batch), device=device))
+    n_batches = int(world_max(math.ceil(len(mine) / batch), device=device)[0])
     for b in range(n_batches):
         rows = mine[b * batch:(b + 1) * batch]
         prompts = [r["prompt"] for r in rows] or [eval_rows[0]["prompt"]]

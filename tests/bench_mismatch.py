@@ -46,8 +46,8 @@ def main():
     for label, flags in SETTINGS:
         args = tg.parse_args(base + flags)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        scaler = torch.amp.GradScaler("cpu", enabled=args.dtype == "float16")
-        run = tg.Run(model, None, optimizer, scaler, tok, reward_fns, weights, 1, "cpu")
+        run = tg.Run(model, None, optimizer, tg.loss_scaler(args.dtype, "cpu"), tok, reward_fns,
+                     weights, 1, "cpu")
         torch.manual_seed(1)
         t0 = time.time()
         r = tg.grpo_step(args, run, train_rows[:args.batch_size], tg.TrainState())

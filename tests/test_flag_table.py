@@ -66,8 +66,8 @@ def one_step(**flags):
     model.generate = generate
     torch.manual_seed(1)
     try:
-        run = make_run(model, tok, optimizer, fp16=args.dtype == "float16", reward_fns=reward_fns, weights=weights)
-        run.ref_model = ref
+        run = make_run(model, tok, optimizer, reward_fns=reward_fns, weights=weights)
+        run.ref_model, run.scaler = ref, tg.loss_scaler(args.dtype, "cpu")  # the trainer's own rule
         record = tg.grpo_step(args, run, train_rows[:args.batch_size], state)
     finally:
         tg.rollout, tg.lm_logits, tg.entropy_from_logits = real_rollout, real_head, real_entropy
