@@ -9,7 +9,8 @@ The algorithmic choices, in the order of one step (`grpo_step`; the README's "Th
      through the DDP wrapper, chunked through lm_head so [rows, T, vocab] logits never exist.
   4. The clipped-ratio objective under four normalizations (grpo, bnpo, dr_grpo, dapo), or cispo's
      capped-weight REINFORCE objective; optional k3 KL to a frozen reference; optional tis/mis
-     correction of the sampler/trainer mismatch.
+     correction of the sampler/trainer mismatch. With top-k/top-p the ratio and the KL score the
+     truncated distributions that sample (each model its own), the entropy the full one.
   5. Entropy is logged without a graph; an optional entropy bonus has an adaptive coefficient that
      is one world number on every rank.
   6. With the defaults (mu = 1 update per rollout, beta = 0, no entropy bonus) the ratio is exactly
@@ -103,9 +104,12 @@ class Args:
     top_k: int = opt(0, "top-k sampling; 0: off")
     mask_truncated_completions: int = opt(0, "1: completions that never emit EOS get a zero mask",
                                           choices=(0, 1))
-    sampling_replay: int = opt(1, "1: with --top_p < 1 or --top_k > 0 the trainer scores tokens "
-                               "under the same truncation it sampled from (renormalized over the "
-                               "kept tokens); 0: under the full distribution", choices=(0, 1))
+    sampling_replay: int = opt(1, "1: with --top_p < 1 or --top_k > 0 the policy, old and "
+                               "reference log-probs (so the ratio and the KL) are scored under the "
+                               "truncation that sampled, each model truncating its own logits and "
+                               "renormalizing over the kept tokens; 0: under the full "
+                               "distribution. The entropy is the full distribution's either way",
+                               choices=(0, 1))
     # objective
     beta: float = opt(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
     epsilon: float = opt(0.2, "lower clip: ratio >= 1 - epsilon")
@@ -180,9 +184,14 @@ class Args:
 # --------------------------------------------------------------------------------------------------
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
     """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
-    Returns input_ids [B, P], attention_mask [B, P] and how many prompts were cut."""
-    chat = getattr(tokenizer, "chat_template", None)  # a chat template writes the special tokens
-    ids = [tokenizer(p, add_special_tokens=not chat).input_ids for p in prompts]
+    A prompt the chat template rendered holds its special tokens as text (Llama-3's
+    <|begin_of_text|>, ChatML's <|im_start|>): it is tokenized as written, nothing added twice. A
+    plain-text prompt holds none and gets what tokenizer(text) adds (the BOS of Llama, Gemma or
+    Mistral), as in pretraining. Returns input_ids [B, P], attention_mask [B, P] and how many
+    prompts were cut."""
+    special = set(tokenizer.all_special_ids)
+    ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    ids = [x if special & set(x) else tokenizer(p).input_ids for x, p in zip(ids, prompts)]
     n_cut = sum(len(x) > max_prompt_len for x in ids)
     ids = [x[-max_prompt_len:] for x in ids]
     width = max(len(x) for x in ids)
@@ -273,10 +282,10 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     # stop on, and mask after, every EOS the checkpoint declares
     eos = eos_token_ids(policy, tokenizer)
     sampler = SamplerLogps(temperature, top_k, top_p) if do_sample else None
-    # generate's own temperature/top-k/top-p off (SamplerLogps applies them); top_k 0, not the
-    # library's default 50, when sampling
-    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample, temperature=1.0,
-                              top_p=1.0, top_k=0 if do_sample else None,
+    # generate's own temperature/top-k/top-p off (SamplerLogps applies them; top_k 0, not the
+    # library's default 50); greedy sets none (transformers warns of sampling flags when greedy)
+    off = dict(temperature=1.0, top_p=1.0, top_k=0) if do_sample else {}
+    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample, **off,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                               bos_token_id=tokenizer.bos_token_id,
                               cache_implementation="static" if static_cache else None,
@@ -640,24 +649,35 @@ def loss_scaler(dtype, device):
     return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
 
 
+# GradScaler halves an fp16 loss scale on each overflow; at or below this one, an overflow is the
+# gradient's own, not the scale's
+MIN_LOSS_SCALE = 1.0
+
+
 def clipped_optimizer_step(run, grad_clip, loss, state):
     """Step 13: unscale (fp16), clip the global grad norm, step, zero the gradients. A step whose
     loss or grad norm is not finite on any rank is skipped on every rank (a world decision), and
-    counted; under fp16 the loss scale then halves on every rank, and doubles after 2,000 good steps
-    in a row (GradScaler's rule)."""
+    counted in state.skipped_steps; under fp16 the loss scale then halves on every rank, and
+    doubles after 2,000 good steps in a row (GradScaler's rule). An overflow the scale can still
+    cure is the scaler's normal work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, counts
+    toward the loop's stop after 3 in a row (state.bad_in_a_row). Returns the grad norm."""
     policy, optimizer, scaler = unwrap(run.model), run.optimizer, run.scaler
     scaler.unscale_(optimizer)  # the true loss's gradients: clipping and the norm see real values
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
-    n_bad = world_sum(not (torch.isfinite(grad_norm) and math.isfinite(loss)), device=run.device)[0]
-    if n_bad == 0:
+    bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
+                                   device=run.device)
+    if bad_loss + bad_norm == 0:
         scaler.step(optimizer)  # optimizer.step(): no rank holds an inf (finite world norm)
         scaler.update()
         state.bad_in_a_row = 0
     else:
-        state.bad_in_a_row += 1
+        state.skipped_steps += 1
+        scale_can_drop = scaler.is_enabled() and scaler.get_scale() > MIN_LOSS_SCALE
+        if bad_loss or not scale_can_drop:
+            state.bad_in_a_row += 1
         if scaler.is_enabled():  # every rank lowers its scale alike (its own check may see no inf)
             scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
             scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
@@ -677,7 +697,8 @@ class TrainState:
     entropy_coef: float = 0.0          # c: the adaptive coefficient (or the static alpha)
     entropy_coef_applied: float = 0.0  # alpha used in the next step's loss
     world_entropy: float = float("nan")
-    bad_in_a_row: int = 0              # steps skipped in a row (loss or grad norm not finite)
+    skipped_steps: int = 0             # optimizer updates skipped (loss or grad norm not finite)
+    bad_in_a_row: int = 0              # skips in a row the loss scale could not cure
     truncated_prompts: int = 0         # prompts left-truncated so far, all ranks
 
 
@@ -742,7 +763,7 @@ def grpo_step(args, run, rows, state):
 
     # 5-6. reference and old log-probs: plain tensors, no graph (old only when mu > 1; else the
     # loss uses logps.detach())
-    lp_kw = dict(chunk_size=args.logp_chunk_size, **scored_distribution(args))
+    lp_kw = dict(chunk_size=args.logp_chunk_size, with_entropy=False, **scored_distribution(args))
     with torch.no_grad(), autocast(args, device):
         ref_logps = (completion_logps(run.ref_model, input_ids, attention_mask, T, **lp_kw)[0]
                      if run.ref_model is not None else None)
@@ -757,7 +778,9 @@ def grpo_step(args, run, rows, state):
                  advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
                  sampler_logps=sampler_logps, num_items=num_items)
     for it in range(args.num_iterations):
-        sums = accumulate_gradients(run, batch, args, state.entropy_coef_applied)
+        # entropy: logged from the first update (the policy that sampled), or the bonus uses it
+        with_entropy = it == 0 or state.entropy_coef_applied != 0.0
+        sums = accumulate_gradients(run, batch, args, state.entropy_coef_applied, with_entropy)
         if it == 0:  # the policy that sampled: its entropy and its mismatch with the sampler
             first = sums
         grad_norm = clipped_optimizer_step(run, args.grad_clip, sums["loss"], state)
@@ -792,7 +815,7 @@ def scored_distribution(args):
                 top_p=args.top_p if replay else 1.0)
 
 
-def accumulate_gradients(run, batch, args, entropy_coef):
+def accumulate_gradients(run, batch, args, entropy_coef, with_entropy=True):
     """Steps 7-12 over S micro-batches: current log-probs through `run.model` (the DDP wrapper),
     the loss, backward. Gradients add up over micro-batches; DDP all-reduces on the last only."""
     model, world = run.model, run.world
@@ -817,7 +840,8 @@ def accumulate_gradients(run, batch, args, entropy_coef):
             logps, entropy, aux = completion_logps(
                 model, batch["input_ids"][sl], batch["attention_mask"][sl], T,
                 chunk_size=args.logp_chunk_size, entropy_grad=entropy_coef != 0.0,
-                entropy_chunk_size=args.entropy_chunk_size, **scored_distribution(args))
+                entropy_chunk_size=args.entropy_chunk_size, with_entropy=with_entropy,
+                **scored_distribution(args))
         # on-policy old = logp.detach(): the ratio is 1 in value, its gradient dlogp (never
         # exp(x - x) with both sides in the graph: its gradient is 0)
         old = batch["old_logps"][sl] if batch["old_logps"] is not None else logps.detach()
@@ -878,7 +902,7 @@ def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, 
               "truncated_frac": trunc / world,
               # the policy that sampled against the sampler, per masked token
               **sampler_mismatch(first["gap"], mask, device),
-              "skipped_steps_in_a_row": state.bad_in_a_row,
+              "skipped_steps": state.skipped_steps, "skipped_steps_in_a_row": state.bad_in_a_row,
               "truncated_prompts": state.truncated_prompts}
     if is_moe(run.model):
         record["aux_loss"] = aux / world
@@ -902,6 +926,10 @@ def train(args, rank, world, device):
     if master:
         print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never "
               "trained on")
+    if not eval_rows and args.eval_interval > 0:  # a dataset file of fewer than 10 rows
+        args.eval_interval = 0
+        if master:
+            print("no held-out set (a file of fewer than 10 rows holds none out): no evaluation")
     sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
                                  shuffle=True, seed=args.seed, drop_last=True)
     model = policy
@@ -930,17 +958,19 @@ def train(args, rank, world, device):
         state.step = step
         rows = next_prompts(sampler, train_rows, state, args.batch_size)
         cut_before = state.truncated_prompts
-        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
+        lr, skipped_before = scheduler.get_last_lr()[0], state.skipped_steps  # this step's rate
         record = {"step": step, **grpo_step(args, run, rows, state), "lr": lr}
-        scheduler.step()
+        if state.skipped_steps - skipped_before < args.num_iterations:
+            scheduler.step()  # an update was applied; a skipped step leaves the schedule as it was
         if state.truncated_prompts > cut_before and not warned_cut and master:
             print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are "
                   "left-truncated")
             warned_cut = True
         if state.bad_in_a_row >= 3:
             last = find_checkpoint(args.save_dir) or "none"
-            raise TrainerError(f"step {step}: loss or grad norm not finite for 3 steps in a row; "
-                               f"stopping (last good checkpoint: {last})")
+            raise TrainerError(f"step {step}: loss not finite, or gradients overflowing at the "
+                               f"smallest loss scale, for 3 steps in a row; stopping (last good "
+                               f"checkpoint: {last})")
         if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
             record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world,
                                         device)
@@ -1051,6 +1081,9 @@ def check_args(args):
         (not a.micro_batch_size or rows % a.micro_batch_size == 0,
          f"--micro_batch_size {a.micro_batch_size} must divide batch_size * num_generations = "
          f"{rows}"),
+        (a.eval_size > 0 or a.eval_interval == 0,
+         f"--eval_interval {a.eval_interval} evaluates held-out prompts, but --eval_size 0 holds "
+         "none out (set --eval_interval 0, or --eval_size > 0)"),
         (0 <= a.epsilon < 1, f"--epsilon must be in [0, 1), got {a.epsilon}"),
         (a.epsilon_high >= 0 or a.epsilon_high == -1.0,
          f"--epsilon_high must be >= 0 (or -1: default), got {a.epsilon_high}"),
@@ -1217,13 +1250,18 @@ COMPARE_NUMBERS = "compare_numbers"
 
 
 def make_compare_task(eval_size, seed=1234):
+    """Held out: eval_size unordered pairs, each asked in one order; trained: both orders of every
+    other pair ("37 or 52" held out means "52 or 37" is never trained on either)."""
     rng = random.Random(seed)
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
+    pairs = [(a, b) for a in range(10, 100) for b in range(a + 1, 100)]
     rng.shuffle(pairs)
+    held_out = [p if rng.random() < 0.5 else p[::-1] for p in pairs[:eval_size]]
+    trained = [p for a, b in pairs[eval_size:] for p in ((a, b), (b, a))]
+    rng.shuffle(trained)
     question = "Which number is larger, {} or {}? Answer with the number only."
-    rows = [{"prompt": [{"role": "user", "content": question.format(a, b)}], "answer": max(a, b)}
-            for a, b in pairs]
-    return rows[eval_size:], rows[:eval_size]
+    rows = lambda pairs: [{"prompt": [{"role": "user", "content": question.format(a, b)}],
+                           "answer": max(a, b)} for a, b in pairs]
+    return rows(trained), rows(held_out)
 
 
 def compare_correct_reward(completion, answer):
@@ -1570,6 +1608,9 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
     reward. The same batch_size rows per step whatever the number of ranks (each takes its share),
     so the GRPO run under torchrun starts from the warm start of the one-process run."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
+    # the GRPO update's rule: fp16 loss scaling, clip at 1.0, a non-finite step skipped by all ranks
+    sft = Run(model, None, opt, loss_scaler(args.dtype, device), tokenizer, [], [], world, device)
+    state = TrainState()
     rng = random.Random(args.seed + 7)
     for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
         rows = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size)]
@@ -1582,14 +1623,13 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
         with autocast(args, device):
             logps, _, aux = completion_logps(model, torch.cat([ids, target], 1),
                                              torch.cat([am, torch.ones_like(target)], 1),
-                                             target.shape[1], chunk_size=args.logp_chunk_size)
+                                             target.shape[1], chunk_size=args.logp_chunk_size,
+                                             with_entropy=False)
         loss = -logps.mean()
         if aux is not None:
             loss = loss + aux * unwrap(model).config.router_aux_loss_coef
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        sft.scaler.scale(loss).backward()
+        clipped_optimizer_step(sft, 1.0, loss.item(), state)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1736,8 +1776,7 @@ def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank, optim
     if optimizer_shard is not None:
         torch.save(optimizer_shard, os.path.join(tmp, f"optimizer_{rank}.pt"))
     if rank == 0:
-        unwrap(model).save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_pretrained(unwrap(model), tokenizer, weights, tmp)
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
     barrier()
     if rank == 0:
@@ -1746,6 +1785,20 @@ def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank, optim
         os.replace(tmp, final)  # a crash before this line leaves the previous checkpoint as it was
     barrier()
     return final
+
+
+def save_pretrained(model, tokenizer, weights, where):
+    """A plain transformers folder (safetensors), without transformers' "Writing model shards" bar
+    inside the training bar."""
+    from transformers.utils import logging as hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(where, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(where)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def find_checkpoint(save_dir):
@@ -1976,8 +2029,7 @@ def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank
     where = find_checkpoint(args.save_dir)
     if weights is not None:
         where = os.path.join(args.save_dir, "final")
-        policy.save_pretrained(where, state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(where)
+        save_pretrained(policy, tokenizer, weights, where)
         print(f"saved {where}")
     evals = [(r["step"], r[eval_key]) for r in map(json.loads, open(metrics_path)) if eval_key in r]
     held_out = (f"held-out {eval_key} {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "

@@ -192,7 +192,8 @@ def fp16_skip(rank, world, out_dir, mode="ddp"):
     wrapped = tg.shard_fsdp(model, args, world) if mode == "fsdp" else DDP(model)
     optimizer, _ = tg.build_optimizer(model, args)
     run = make_run(wrapped, tok, optimizer, world, fp16=True, reward_fns=[tg.reverse_reward], weights=[1.0])
-    state, out, real = tg.TrainState(), {"bad_in_a_row": []}, tg.accumulate_gradients
+    state, real = tg.TrainState(), tg.accumulate_gradients
+    out = {"bad_in_a_row": [], "skipped_steps": []}
     train_rows, _ = tg.make_reverse_task(16)
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # FSDP: this rank's shard
     for step, tag in ((1, "after_inf"), (2, "after_good")):
@@ -208,6 +209,7 @@ def fp16_skip(rank, world, out_dir, mode="ddp"):
         out[f"moved_{tag}"] = any(not torch.equal(b, local(p.detach())) for b, p in zip(before, model.parameters()))
         out[f"scale_{tag}"] = run.scaler.get_scale()
         out["bad_in_a_row"].append(state.bad_in_a_row)
+        out["skipped_steps"].append(state.skipped_steps)
     tg.accumulate_gradients = real
     out["params"] = {k: v.clone() for k, v in tg.full_state_dict(wrapped, every_rank=True).items()}
     torch.save(out, os.path.join(out_dir, f"fp16_{mode}_{rank}.pt"))

@@ -10,8 +10,10 @@ from helpers import FAST, run_cli, tg
 @pytest.mark.parametrize("use_moe", [0, 1])
 def test_short_run_writes_finite_metrics_and_a_loadable_model(tmp_path, use_moe):
     res = run_cli(*FAST, "--max_steps", "3", "--use_moe", use_moe, "--eval_interval", "3", "--sft_warmup_steps", "3",
-                  "--save_dir", tmp_path)
+                  "--save_interval", "2", "--save_dir", tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
+    # greedy evals and saves print nothing beside the bar: no sampling-flag warning, no "Writing model shards"
+    assert "generation flags" not in res.stderr and "Writing model shards" not in res.stderr
     rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert rows[0] == {"step": 0, "eval_accuracy": rows[0]["eval_accuracy"]}  # before the first update
     steps = rows[1:]

@@ -171,3 +171,31 @@ def test_largest_logits_tensor_stays_within_the_byte_budget_whatever_the_vocabul
     assert max(shapes) * vocab * 4 <= budget                     # fp32 logits of the largest chunk, in bytes
     assert max(shapes) * vocab * 4 > budget - vocab * 4          # and the chunk is as large as the budget allows
     assert sum(shapes) == 2 * rows * T                           # forward, and the recompute in backward
+
+
+def test_entropy_is_computed_only_where_it_is_logged(tmp_path, monkeypatch):
+    """beta > 0 and mu = 2: four log-prob passes per step, two without grad (reference, old) and two
+    updates; the entropy is logged from the first update alone, so it covers half the tokens of the two
+    no-grad passes. The supervised warm-up logs none."""
+    tokens = {"entropy": 0, "logps": 0}
+    real_entropy, real_logps = tg.entropy_from_logits, tg.selective_log_softmax
+
+    def entropy(z, chunk_size=128):
+        tokens["entropy"] += z.numel() // z.shape[-1]
+        return real_entropy(z, chunk_size)
+
+    def logps(z, index):  # the no-grad passes only (an update's chunks are recomputed in backward)
+        tokens["logps"] += 0 if torch.is_grad_enabled() else index.numel()
+        return real_logps(z, index)
+    monkeypatch.setattr(tg, "entropy_from_logits", entropy)
+    monkeypatch.setattr(tg, "selective_log_softmax", logps)
+    from helpers import FAST
+    tg.main(FAST + ["--max_steps", "1", "--beta", "0.04", "--num_iterations", "2",
+                    "--save_dir", str(tmp_path)])
+    assert tokens["logps"] > 0 and 2 * tokens["entropy"] == tokens["logps"]
+    model, tok = tiny()
+    args = tg.parse_args(["--sft_warmup_steps", "2", "--batch_size", "4"])
+    tokens.update(entropy=0, logps=0)
+    before = model.lm_head.weight.detach().clone()
+    tg.sft_warmup(model, tok, tg.make_reverse_task(16)[0], args, torch.device("cpu"), 0, 1)
+    assert not torch.equal(before, model.lm_head.weight) and tokens["entropy"] == 0

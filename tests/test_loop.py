@@ -37,8 +37,11 @@ def test_logged_entropy_is_that_of_the_sampling_distribution(tmp_path, monkeypat
     assert rows[0]["entropy"] == pytest.approx(want.item(), rel=1e-5)
 
 
-def test_kl_is_zero_at_step_1_then_positive_against_a_frozen_reference(tmp_path):
-    rows = logged(tmp_path, "--max_steps", "3", "--beta", "0.04", "--learning_rate", "1e-3")
+@pytest.mark.parametrize("sampling", [[], ["--top_p", "0.7"]])
+def test_kl_is_zero_at_step_1_then_positive_against_a_frozen_reference(tmp_path, sampling):
+    # top_p 0.7 under sampling replay: the policy and the reference each score their own nucleus (the
+    # sampled token kept); at equal weights those are one distribution, and the KL is 0 there too
+    rows = logged(tmp_path, "--max_steps", "3", "--beta", "0.04", "--learning_rate", "1e-3", *sampling)
     kl = [r["kl"] for r in rows]
     assert kl[0] == 0.0                   # the reference is the policy before the first update
     assert kl[1] > 1e-6 and kl[2] > 1e-6  # the policy moved, the reference did not

@@ -189,7 +189,8 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(
     for r in ranks:
         assert r["moved_after_inf"] is False and r["scale_after_inf"] == 2.0 ** 15   # skipped, halved
         assert r["moved_after_good"] is True and r["scale_after_good"] == 2.0 ** 15  # then steps again
-        assert r["bad_in_a_row"] == [1, 0]
+        # an overflow the scale can still cure is skipped and counted, never a step toward the stop
+        assert r["skipped_steps"] == [1, 1] and r["bad_in_a_row"] == [0, 0]
     for k in ranks[0]["params"]:
         assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k])
 
@@ -215,5 +216,5 @@ def test_fp16_resume_restores_the_loss_scale(tmp_path, monkeypatch):
     straight, cut = ([json.loads(l) for l in open(tmp_path / d / "metrics.jsonl")] for d in ("straight", "cut"))
     assert [r["loss_scale"] for r in straight] == [2.0 ** 15] * 3
     assert [r["loss_scale"] for r in cut] == [r["loss_scale"] for r in straight]
-    assert straight[0]["skipped_steps_in_a_row"] == 1
+    assert [r["skipped_steps"] for r in straight] == [1, 1, 1] and straight[0]["skipped_steps_in_a_row"] == 0
     assert [r["reward"] for r in cut] == [r["reward"] for r in straight]

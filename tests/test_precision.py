@@ -1,11 +1,12 @@
 """Real-size concerns on the CPU: bf16 compute on fp32 master weights, the static-cache rollout, and log-prob
 chunks bounded in tokens."""
+import json
 import math
 
 import pytest
 import torch
 
-from helpers import FAST, tg, tiny
+from helpers import FAST, run_cli, tg, tiny
 
 
 def adam_step_bound(t, beta1=0.9, beta2=0.999):
@@ -121,3 +122,36 @@ def test_largest_logits_chunk_does_not_grow_with_rows():
             assert len(biggest) == 2 * math.ceil(rows * 8 / 16)
     finally:
         tg.lm_logits = real
+
+
+def test_fp16_overflow_skips_wait_for_the_scale_and_leave_the_schedule(tmp_path):
+    """Rewards x1000 and no std division: the gradients overflow fp16 at the starting scale 2^16. Each
+    overflow halves the scale and skips the update (counted, never a step toward the stop) until the scale
+    fits; the warm-up then starts at its first rate: a skipped step does not advance the schedule."""
+    res = run_cli(*FAST, "--dtype", "float16", "--scale_rewards", "none", "--reward_weights", "1000",
+                  "--max_steps", "11", "--warmup_steps", "4", "--save_dir", tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "lr_scheduler.step()" not in res.stderr                  # torch's warning of a step without update
+    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    n = rows[-1]["skipped_steps"]
+    assert 3 <= n <= 8                                               # measured: 7 (the scale fits at 2^9)
+    assert [r["skipped_steps"] for r in rows] == list(range(1, n + 1)) + [n] * (11 - n)
+    assert [r["loss_scale"] for r in rows[:n]] == [2.0 ** (16 - k) for k in range(1, n + 1)]
+    assert all(r["skipped_steps_in_a_row"] == 0 for r in rows)
+    # the k-th applied update (from 0) uses lr (k + 1) / (warmup + 1); skipped steps show the rate waiting
+    factors = [1 / 5] * n + [min(k + 1, 5) / 5 for k in range(11 - n)]
+    assert [r["lr"] for r in rows] == pytest.approx([2e-4 * f for f in factors], rel=1e-9)
+
+
+def test_sft_warmup_under_fp16_scales_its_loss_like_the_grpo_update():
+    """The gradient backward hands a weight is the true gradient times the loss scale (2^16) under fp16,
+    and the true gradient in fp32: the warm-up's fp16 gradients do not flush to zero."""
+    seen = {}
+    for dtype in ("float32", "float16"):
+        model, tok = tiny()
+        args = tg.parse_args(["--dtype", dtype, "--sft_warmup_steps", "1", "--batch_size", "8"])
+        w = model.get_input_embeddings().weight                       # tied: the lm_head's matmul too
+        w.register_hook(lambda g, dtype=dtype: seen.setdefault(dtype, g.detach().clone()))
+        tg.sft_warmup(model, tok, tg.make_reverse_task(16)[0], args, torch.device("cpu"), 0, 1)
+    ratio = (seen["float16"].norm() / seen["float32"].norm()).item()
+    assert ratio == pytest.approx(2.0 ** 16, rel=0.05)

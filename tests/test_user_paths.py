@@ -3,6 +3,7 @@ test-only datasets, rows as the dataset has them, reward weights, bad reward val
 after a resume, flag combinations that cannot work."""
 import json
 import math
+import re
 import subprocess
 
 import pytest
@@ -224,3 +225,62 @@ def test_logged_kl_is_the_masked_mean_over_all_tokens_not_a_mean_of_micro_batch_
     assert n1 != n2 and m1 != m2
     assert row["kl"] == pytest.approx((m1 * n1 + m2 * n2) / (n1 + n2), rel=1e-5)
     assert abs(row["kl"] - (m1 + m2) / 2) > 1e-3 * abs(row["kl"])
+
+
+# ---- prompts keep the special tokens the model was trained with ----
+def bos_tokenizer():
+    """A tokenizer like Llama-3's or Gemma's: tokenizer(text) puts a BOS first, and its chat template writes
+    the BOS itself."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>",
+                                         *"abc= "])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<unk>", padding_side="left",
+                                   additional_special_tokens=["<|user|>", "<|assistant|>"])
+    fast.chat_template = ("{{ bos_token }}{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return fast
+
+
+def test_a_plain_prompt_gets_its_bos_and_a_templated_one_none_twice():
+    tok = bos_tokenizer()
+    chat = tg.render_prompt(tok, {"prompt": [{"role": "user", "content": "ab"}]}, tg.Args())
+    assert chat == "<bos><|user|>ab<|assistant|>"
+    ids, am, _ = tg.tokenize_prompts(tok, ["ca=", chat], 64, "cpu")
+    # by hand: <pad> 0, <bos> 2, <|user|> 4, <|assistant|> 5, a 6, b 7, c 8, '=' 9; left-padded
+    assert ids.tolist() == [[0, 2, 8, 6, 9], [2, 4, 6, 7, 5]]
+    assert am.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+
+
+def test_compare_numbers_holds_out_questions_never_trained_in_either_order():
+    train, held_out = tg.make_compare_task(200)
+    pair = lambda r: tuple(int(x) for x in re.findall(r"\d+", r["prompt"][0]["content"]))
+    trained = [pair(r) for r in train]
+    assert len(held_out) == 200 and len(train) + 2 * len(held_out) == 90 * 89
+    assert not {frozenset(pair(r)) for r in held_out} & {frozenset(p) for p in trained}
+    assert sorted(trained) == sorted((b, a) for a, b in trained)  # both orders of every trained pair
+    assert all(r["answer"] == max(pair(r)) for r in train + held_out)
+
+
+# ---- no held-out set, no held-out number ----
+def test_evaluation_without_held_out_prompts_is_refused_or_said(tmp_path, capsys):
+    assert list(tg.check_args(tg.Args(eval_size=0))) == [
+        "--eval_interval 50 evaluates held-out prompts, but --eval_size 0 holds none out (set --eval_interval 0, "
+        "or --eval_size > 0)"]
+    assert list(tg.check_args(tg.Args(eval_size=0, eval_interval=0))) == []
+    # a file of 6 rows holds none out (a tenth of it is 0 rows): the run says so and evaluates nothing
+    model_dir = tmp_path / "model"
+    save_tiny(model_dir)
+    with open(tmp_path / "six.jsonl", "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) + "\n")
+    tg.main([*REAL[:-2], "--eval_interval", "1", "--model_name_or_path", str(model_dir), "--dataset",
+             str(tmp_path / "six.jsonl"), "--max_steps", "1", "--save_dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert "no held-out set" in out and "no held-out eval" in out
+    rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r for r in rows if "eval_accuracy" in r] == []
