@@ -3,13 +3,15 @@
 The algorithmic choices, in the order of one step (`grpo_step`; the README's "The math"):
   1. Sample G completions per prompt with `model.generate` (the torch engine). The rollout applies
      the sampling distribution itself and keeps the sampler's log-prob of every token it drew.
-  2. Score each completion with plain-Python rewards; A = (r - mean of its group) / (std of its
-     group + 1e-4). No value network: the group is the baseline.
+  2. Score each completion with plain-Python rewards, per sample or TRL's batched form (None: does
+     not apply); A = (r - mean of its group) / (std of its group + 1e-4). No value network: the
+     group is the baseline.
   3. Old and reference log-probs are detached tensors; current log-probs come from a fresh forward
      through the DDP wrapper, chunked through lm_head so [rows, T, vocab] logits never exist.
-  4. The clipped-ratio objective under four normalizations (grpo, bnpo, dr_grpo, dapo), or cispo's
-     capped-weight REINFORCE objective; optional k3 KL to a frozen reference; optional tis/mis
-     correction of the sampler/trainer mismatch.
+  4. The clipped-ratio objective under four normalizations (grpo, bnpo, dr_grpo, dapo), with a
+     ratio per token or one per sequence (GSPO), or cispo's capped-weight REINFORCE objective;
+     optional k3 KL to a frozen reference; optional tis/mis correction of the sampler/trainer
+     mismatch.
   5. Entropy is logged without a graph; an optional entropy bonus has an adaptive coefficient that
      is one world number on every rank.
   6. With the defaults (mu = 1 update per rollout, beta = 0, no entropy bonus) the ratio is exactly
@@ -17,7 +19,7 @@ The algorithmic choices, in the order of one step (`grpo_step`; the README's "Th
      group's std), gradient -A * grad logp per token, averaged per sequence (--loss_type grpo).
      Clipping acts only when mu > 1 (--num_iterations).
   7. Master weights and AdamW state stay fp32; forward, backward and rollout compute in --dtype
-     under autocast (fp16 with dynamic loss scaling).
+     under autocast (fp16 with dynamic loss scaling), the lm_head optionally in fp32.
 
     python train_grpo.py                                        # offline: tiny model, built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo CPU, nccl GPU)
@@ -800,7 +802,7 @@ def grpo_step(args, run, rows, state):
             static_cache=use_static_cache(args, device))
     gen_time = time.time() - t_gen
 
-    # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i)
+    # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i), None skipped
     completions = decode_completions(run.tokenizer, completion_ids, mask)
     ids = [c[m.bool()].tolist() for c, m in zip(completion_ids, mask)]  # TRL's completion_ids
     rewards = compute_rewards(run.reward_fns, run.weights, completions, rows, ids)  # [rows]
