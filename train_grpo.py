@@ -3,14 +3,16 @@
 The algorithmic choices, in the order of one step (`grpo_step`; the README's "The math"):
   1. Sample G completions per prompt with `model.generate` (the torch engine). The rollout applies
      the sampling distribution itself and keeps the sampler's log-prob of every token it drew.
-  2. Score each completion with plain-Python rewards; A = (r - mean of its group) / (std of its
-     group + 1e-4). No value network: the group is the baseline.
+  2. Score each completion with plain-Python rewards, per sample or TRL's batched form (None: does
+     not apply); A = (r - mean of its group) / (std of its group + 1e-4). No value network: the
+     group is the baseline.
   3. Old and reference log-probs are detached tensors; current log-probs come from a fresh forward
      through the DDP wrapper, chunked through lm_head so [rows, T, vocab] logits never exist.
-  4. The clipped-ratio objective under four normalizations (grpo, bnpo, dr_grpo, dapo), or cispo's
-     capped-weight REINFORCE objective; optional k3 KL to a frozen reference; optional tis/mis
-     correction of the sampler/trainer mismatch. With top-k/top-p the ratio and the KL score the
-     truncated distributions that sample (each model its own), the entropy the full one.
+  4. The clipped-ratio objective under four normalizations (grpo, bnpo, dr_grpo, dapo), with a
+     ratio per token or one per sequence (GSPO), or cispo's capped-weight REINFORCE objective;
+     optional k3 KL to a frozen reference; optional tis/mis correction of the sampler/trainer
+     mismatch. With top-k/top-p the ratio and the KL score the truncated distributions that sample
+     (each model its own), the entropy the full one.
   5. Entropy is logged without a graph; an optional entropy bonus has an adaptive coefficient that
      is one world number on every rank.
   6. With the defaults (mu = 1 update per rollout, beta = 0, no entropy bonus) the ratio is exactly
@@ -18,7 +20,7 @@ The algorithmic choices, in the order of one step (`grpo_step`; the README's "Th
      group's std), gradient -A * grad logp per token, averaged per sequence (--loss_type grpo).
      Clipping acts only when mu > 1 (--num_iterations).
   7. Master weights and AdamW state stay fp32; forward, backward and rollout compute in --dtype
-     under autocast (fp16 with dynamic loss scaling).
+     under autocast (fp16 with dynamic loss scaling), the lm_head optionally in fp32.
 
     python train_grpo.py                                        # offline: tiny model, built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo CPU, nccl GPU)
@@ -86,7 +88,10 @@ class Args:
     answer_field: str = opt("answer", "dataset field holding the reference answer (optional with "
                             "'prompt')")
     reward_funcs: str = opt("", "comma-separated reward functions, file.py:name or a train_grpo "
-                            "name, each f(completion, **row) -> float; empty: the task's own")
+                            "name, each f(completion, **row) -> float, or TRL's batched "
+                            "f(prompts, completions, completion_ids, **columns) -> list "
+                            "(recognised by a parameter named 'completions'); None: does not "
+                            "apply; empty: the task's own")
     reward_weights: str = opt("", "comma-separated weight per reward function; empty: task default")
     trust_remote_code: int = opt(0, "1: let from_pretrained run code shipped with the model",
                                  choices=(0, 1))
@@ -123,6 +128,10 @@ class Args:
                              "outside [1/is_cap, is_cap]; rho = exp(trainer logp - sampler logp)",
                              choices=("none", "tis", "mis"))
     is_cap: float = opt(2.0, "C of --is_correction (> 1)")
+    importance_sampling_level: str = opt("token", "the ratio r: per token, or one per sequence, "
+                                         "exp(mean over its tokens of logp - old), clipped per "
+                                         "sequence (GSPO; meant for --loss_type grpo, not cispo)",
+                                         choices=("token", "sequence"))
     # entropy (README: The math, steps 10-11)
     entropy_chunk_size: int = opt(128, "rows of logits per chunk when computing entropy")
     logp_chunk_size: int = opt(0, "tokens (rows x positions) per lm_head chunk for log-probs, "
@@ -162,6 +171,9 @@ class Args:
     dtype: str = opt("float32", "compute dtype: weights and AdamW state stay float32, forward and "
                      "rollout run under autocast in this dtype",
                      choices=("float32", "bfloat16", "float16"))
+    cast_lm_head_to_fp32: int = opt(0, "1: under --dtype bfloat16/float16 the lm_head matmul runs "
+                                    "in fp32 (fp32 hidden states and weights) in generate and in "
+                                    "the trainer; not with --fsdp 1", choices=(0, 1))
     fsdp: int = opt(0, "1: shard parameters, gradients and optimizer state over the ranks with "
                     "FSDP2 (fully_shard) instead of replicating them with DDP", choices=(0, 1))
     rollout_cache: str = opt("auto", "KV cache of generate: static (CUDA compiles its decode "
@@ -324,18 +336,16 @@ def decode_completions(tokenizer, completion_ids, mask):
 # --------------------------------------------------------------------------------------------------
 # Steps 3-4. Rewards and advantages
 # --------------------------------------------------------------------------------------------------
-def compute_rewards(reward_fns, weights, completions, rows):
-    # r_i = sum_k w_k * reward_k(o_i, **row_i); a reward that raises, or returns anything but a
-    # finite number, stops the run with the sample named
-    rewards = torch.zeros(len(completions))
+def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None):
+    # r_i = sum_k w_k * reward_k(o_i) over the rewards that apply to o_i: None means "does not
+    # apply" (TRL: NaN, then nansum). A sample no reward applies to, a reward that raises, or a
+    # value that is neither None nor a finite number stops the run with the sample named
+    rewards, applies = torch.zeros(len(completions)), [False] * len(completions)
     for fn, w in zip(reward_fns, weights):
-        for i, (c, row) in enumerate(zip(completions, rows)):
-            where = f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {c[:60]!r})"
-            try:
-                value = call_reward(fn, c, row)
-            except Exception as e:
-                raise TrainerError(f"reward {fn.__name__} raised {where}: {type(e).__name__}: "
-                                   f"{e}") from None
+        for i, value in enumerate(reward_values(fn, completions, completion_ids, rows)):
+            if value is None:
+                continue
+            where = sample_name(i, completions[i], rows[i])
             if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
                 raise TrainerError(f"reward {fn.__name__} returned {value!r:.40}, not a number, "
                                    f"{where}")
@@ -343,7 +353,40 @@ def compute_rewards(reward_fns, weights, completions, rows):
                 raise TrainerError(f"reward {fn.__name__} returned {float(value)}, not a finite "
                                    f"number, {where}")
             rewards[i] += w * float(value)
+            applies[i] = True
+    if not all(applies):
+        i = applies.index(False)
+        raise TrainerError(f"every reward function returned None (does not apply) "
+                           f"{sample_name(i, completions[i], rows[i])}")
     return rewards
+
+
+def sample_name(i, completion, row):
+    return f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {completion[:60]!r})"
+
+
+def reward_values(fn, completions, completion_ids, rows):
+    """One reward function's value (or None) for each sample. TRL's batched form, recognised by a
+    parameter named `completions`, is called once on all of them; the per-sample form once each."""
+    if "completions" not in inspect.signature(fn).parameters:
+        values = []
+        for i, (c, row) in enumerate(zip(completions, rows)):
+            try:
+                values.append(call_reward(fn, c, row))
+            except Exception as e:
+                raise TrainerError(f"reward {fn.__name__} raised {sample_name(i, c, row)}: "
+                                   f"{type(e).__name__}: {e}") from None
+        return values
+    try:
+        values = call_batched_reward(fn, completions, completion_ids, rows)
+    except Exception as e:
+        raise TrainerError(f"reward {fn.__name__} raised on this step's {len(rows)} samples: "
+                           f"{type(e).__name__}: {e}") from None
+    values = values.tolist() if hasattr(values, "tolist") else values  # an array or a tensor
+    if not isinstance(values, (list, tuple)) or len(values) != len(rows):
+        raise TrainerError(f"reward {fn.__name__} returned {values!r:.40}, not a list of "
+                           f"{len(rows)} values (one per completion, TRL's batched form)")
+    return values
 
 
 def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
@@ -396,6 +439,27 @@ def lm_logits(model, hidden):
     if getattr(config, "final_logit_softcapping", None):
         z = torch.tanh(z / config.final_logit_softcapping) * config.final_logit_softcapping
     return z
+
+
+class Fp32Linear(torch.nn.Linear):
+    """--cast_lm_head_to_fp32: the model's own lm_head, its matmul in fp32 whatever autocast says:
+    z = float(h) @ float(W)^T. Under bf16 autocast a plain Linear rounds h and W to bf16 (8 bits of
+    mantissa) before the [., V] matmul: the largest source of sampler/trainer mismatch. Being the
+    model's head, generate and lm_logits both use it; parameters and state_dict keys are the
+    Linear's (an HF checkpoint still; a tied head stays tied)."""
+    def forward(self, hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def cast_lm_head_to_fp32(model):
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise TrainerError(f"--cast_lm_head_to_fp32: {type(model).__name__}'s lm_head is a "
+                           f"{type(head).__name__}, not a torch.nn.Linear")
+    head.__class__ = Fp32Linear  # the same module and parameters, an fp32 forward
+    return model
 
 
 def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entropy_chunk_size,
@@ -542,16 +606,26 @@ def sampler_mismatch(gap, mask, device="cpu"):
 
 def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high,
               ref_logps=None, beta=0.0, max_gen_len=None, num_items=None, world_size=1,
-              entropy=None, entropy_coef=0.0, accum_steps=1, is_weight=None):
+              entropy=None, entropy_coef=0.0, accum_steps=1, is_weight=None,
+              importance_sampling_level="token"):
     """logps/old_logps/ref_logps/mask/entropy/is_weight: [rows, T]; advantages: [rows]. Returns
     (loss, stats). old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy.
     is_weight: a detached per-token weight of the policy term (importance_weights: the
-    sampler/trainer mismatch correction)."""
+    sampler/trainer mismatch correction). importance_sampling_level "sequence" (GSPO): one ratio
+    per sequence, s_i = exp(sum_t m (logp - old) / max(sum_t m, 1)), clipped per sequence and
+    applied to each of its tokens; meant for loss_type grpo (a mean per sequence), refused for
+    cispo. clip_ratio counts masked tokens either way: a clipped sequence counts all its tokens."""
     assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) has zero gradient"
     mask = mask.to(logps.dtype)
     A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
     # r = exp(logp - old): value 1 on-policy, gradient r * dlogp (old carries no graph)
-    ratio = torch.exp(logps - old_logps)
+    log_ratio = logps - old_logps                                                 # [rows, T]
+    if importance_sampling_level == "sequence":
+        assert loss_type != "cispo", "GSPO's sequence ratio is for the clipped objective"
+        # GSPO: log s_i = sum_t m (logp - old) / max(sum_t m, 1), the same s_i on each token of o_i
+        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(
+            min=1)).expand_as(logps)
+    ratio = torch.exp(log_ratio)
     if loss_type == "cispo":
         # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free weight on a REINFORCE term
         pg = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
@@ -749,9 +823,10 @@ def grpo_step(args, run, rows, state):
             static_cache=use_static_cache(args, device))
     gen_time = time.time() - t_gen
 
-    # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i)
+    # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i), None skipped
     completions = decode_completions(run.tokenizer, completion_ids, mask)
-    rewards = compute_rewards(run.reward_fns, run.weights, completions, rows)      # [rows]
+    ids = [c[m.bool()].tolist() for c, m in zip(completion_ids, mask)]  # TRL's completion_ids
+    rewards = compute_rewards(run.reward_fns, run.weights, completions, rows, ids)  # [rows]
     # 4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4); batch: all ranks' reward std
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
     advantages = compute_advantages(rewards, G, args.scale_rewards, batch_std).to(device)  # [rows]
@@ -857,7 +932,8 @@ def accumulate_gradients(run, batch, args, entropy_coef, with_entropy=True):
             epsilon=args.epsilon, epsilon_high=args.epsilon_high, ref_logps=ref, beta=args.beta,
             max_gen_len=args.max_gen_len, num_items=batch["num_items"], world_size=world,
             entropy=entropy, entropy_coef=entropy_coef, accum_steps=S,
-            is_weight=importance_weights(rho, args.is_correction, args.is_cap))
+            is_weight=importance_weights(rho, args.is_correction, args.is_cap),
+            importance_sampling_level=args.importance_sampling_level)
         if aux is not None:  # 12. MoE router load-balancing loss, times the config's coefficient
             loss = loss + unwrap(model).config.router_aux_loss_coef * aux / S
             sums["aux"] += aux.item() / S
@@ -1089,6 +1165,12 @@ def check_args(args):
          f"--epsilon_high must be >= 0 (or -1: default), got {a.epsilon_high}"),
         (0 < a.top_p <= 1, f"--top_p must be in (0, 1], got {a.top_p}"),
         (a.is_cap > 1, f"--is_cap must be > 1, got {a.is_cap}"),
+        (a.importance_sampling_level == "token" or a.loss_type != "cispo",
+         "--importance_sampling_level sequence is GSPO's clipped ratio; cispo's weight is per "
+         "token (as in TRL): use --loss_type grpo"),
+        (not (a.cast_lm_head_to_fp32 and a.fsdp),
+         "--cast_lm_head_to_fp32 1 with --fsdp 1: FSDP gathers the lm_head in --dtype, so it "
+         "would not be an fp32 head; use DDP (--fsdp 0)"),
         (a.entropy_coef_min <= a.entropy_coef_max,
          f"--entropy_coef_min {a.entropy_coef_min} must be <= --entropy_coef_max "
          f"{a.entropy_coef_max}"),
@@ -1324,12 +1406,34 @@ def load_reward_funcs(spec):
     return fns
 
 
+# a row's key for the prompt as the dataset gave it (chat messages stay messages): TRL's `prompts`
+DATASET_PROMPT = "_dataset_prompt"
+
+
 def call_reward(fn, completion, row):
     # f(completion, **row): the row's fields that f names (all of them if it takes **kwargs)
+    row = {k: v for k, v in row.items() if k != DATASET_PROMPT}  # 'prompt': the rendered text
     params = inspect.signature(fn).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return fn(completion, **row)
     return fn(completion, **{k: v for k, v in row.items() if k in params})
+
+
+def call_batched_reward(fn, completions, completion_ids, rows):
+    """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), every
+    other dataset column as a list (those f names, or all of them if it takes **kwargs). Chat
+    prompts: `prompts` are the dataset's message lists and each completion is
+    [{"role": "assistant", "content": text}]."""
+    prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
+    if not isinstance(prompts[0], str):  # conversational
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    kwargs = {k: [r[k] for r in rows] for k in rows[0]
+              if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
+    kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(**kwargs)
 
 
 def load_rows(args):
@@ -1404,6 +1508,14 @@ def format_prompt(tokenizer, question):
     return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
 
 
+def given_prompt(row, dataset_row, args):
+    """Keep the dataset's own prompt (chat messages stay messages) beside the rendered one, for
+    TRL's batched rewards; a --question_field row has none: they get the rendered text."""
+    if args.question_field not in dataset_row and "prompt" in dataset_row:
+        row[DATASET_PROMPT] = dataset_row["prompt"]
+    return row
+
+
 def answer_from(fn, field):
     """fn(completion, answer) reading its answer from the row's `field` column."""
     def reward(completion, **row):
@@ -1421,9 +1533,10 @@ def load_task(args, tokenizer, world):
         is_correct = reverse_correct
     else:
         # every column reaches the rewards as the dataset has it (an int stays an int); 'prompt'
-        # becomes the text the model is given (a chat prompt rendered through the template)
-        train_rows, eval_rows = ([{**r, "prompt": render_prompt(tokenizer, r, args)} for r in rows]
-                                 for rows in load_rows(args))
+        # becomes the text the model is given (a chat prompt rendered through the template), and
+        # the dataset's own prompt is kept for TRL's batched rewards
+        train_rows, eval_rows = ([given_prompt({**r, "prompt": render_prompt(tokenizer, r, args)},
+                                               r, args) for r in rows] for rows in load_rows(args))
         is_correct = compare_correct if args.dataset == COMPARE_NUMBERS else gsm8k_correct
     answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
     reward_fns, weights = task_rewards(args)
@@ -1440,8 +1553,9 @@ def load_task(args, tokenizer, world):
                            f"batch_size * ranks = {args.batch_size * world}")
     # your rewards: the held-out score is their weighted sum on greedy completions
     if args.reward_funcs:
-        def score(text, row):
-            return compute_rewards(reward_fns, weights, [text], [row])[0].item()
+        def score(text, row):  # one greedy completion at a time (a batch of one)
+            ids = [tokenizer(text, add_special_tokens=False).input_ids]
+            return compute_rewards(reward_fns, weights, [text], [row], ids)[0].item()
         return train_rows, eval_rows, reward_fns, weights, ("eval_reward", score)
     score = lambda text, row: float(is_correct(text, row[answer_key]))
     return train_rows, eval_rows, reward_fns, weights, ("eval_accuracy", score)
@@ -1517,6 +1631,8 @@ def load_model_and_tokenizer(args, device):
         # attention mask)
     # master weights; --dtype is the compute dtype (autocast)
     model.to(device=device, dtype=torch.float32)
+    if args.cast_lm_head_to_fp32 and args.dtype != "float32":
+        cast_lm_head_to_fp32(model)
     disable_dropout(model)
     check_output_head(model)
     auto = args.gradient_checkpointing == -1 and args.model_name_or_path
@@ -1588,8 +1704,9 @@ def frozen_copy(policy, dtype):
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
         embedding = ref.get_input_embeddings().weight
         for module in ref.modules():
-            # a tied head stays fp32
-            if isinstance(module, torch.nn.Linear) and module.weight is not embedding:
+            # a tied head stays fp32, and an fp32 head (--cast_lm_head_to_fp32) too
+            if (isinstance(module, torch.nn.Linear) and module.weight is not embedding
+                    and not isinstance(module, Fp32Linear)):
                 module.to(dtype)
         return ref
     from transformers import AutoModelForCausalLM

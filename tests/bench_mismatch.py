@@ -6,7 +6,8 @@ sampling setting (a script: pytest does not collect it).
 
 Each row is one grpo_step from the same starting weights (learning rate 0: nothing moves between rows) and
 prints the five metrics every step logs: |trainer's old log-prob - sampler's log-prob| (mean, max over the masked
-tokens) and the importance ratio rho = exp(difference) (min, mean, max).
+tokens) and the importance ratio rho = exp(difference) (min, mean, max). The "fp32 lm_head" rows set
+--cast_lm_head_to_fp32 1. BENCH_ONLY=text runs only the rows whose label contains text.
 """
 import os
 import sys
@@ -27,7 +28,12 @@ SETTINGS = [  # (label, flags)
     ("float32, top_p 0.7, replay off", ["--top_p", "0.7", "--sampling_replay", "0"]),
     ("float32, top_p 0.7, replay on", ["--top_p", "0.7"]),
     ("bfloat16, top_p 0.7, replay on", ["--dtype", "bfloat16", "--top_p", "0.7"]),
+    ("bfloat16, dynamic cache, fp32 lm_head", ["--dtype", "bfloat16", "--cast_lm_head_to_fp32", "1"]),
+    ("bfloat16, static cache, fp32 lm_head", ["--dtype", "bfloat16", "--rollout_cache", "static",
+                                              "--cast_lm_head_to_fp32", "1"]),
+    ("float16, dynamic cache, fp32 lm_head", ["--dtype", "float16", "--cast_lm_head_to_fp32", "1"]),
 ]
+ONLY = os.environ.get("BENCH_ONLY")  # e.g. BENCH_ONLY=bfloat16: the rows whose label holds it
 
 
 def main():
@@ -44,7 +50,11 @@ def main():
     print(f"| setting | sampler_logp_diff_mean | sampler_logp_diff_max | is_ratio_min | is_ratio_mean | "
           f"is_ratio_max | s |\n|---|---|---|---|---|---|---|")
     for label, flags in SETTINGS:
+        if ONLY and ONLY not in label:
+            continue
         args = tg.parse_args(base + flags)
+        # the same weights in every row; the fp32 head is the same module with an fp32 forward
+        tg.cast_lm_head_to_fp32(model) if args.cast_lm_head_to_fp32 else plain_head(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         run = tg.Run(model, None, optimizer, tg.loss_scaler(args.dtype, "cpu"), tok, reward_fns,
                      weights, 1, "cpu")
@@ -54,6 +64,12 @@ def main():
         print(f"| {label} | {r['sampler_logp_diff_mean']:.2e} | {r['sampler_logp_diff_max']:.2e} | "
               f"{r['is_ratio_min']:.4f} | {r['is_ratio_mean']:.4f} | {r['is_ratio_max']:.4f} | "
               f"{time.time() - t0:.0f} |", flush=True)
+
+
+def plain_head(model):
+    head = model.get_output_embeddings()
+    if isinstance(head, tg.Fp32Linear):
+        head.__class__ = torch.nn.Linear
 
 
 if __name__ == "__main__":

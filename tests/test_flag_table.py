@@ -170,6 +170,10 @@ FLAGS = {
     "is_correction": [step(choice, update_differs, top_p=0.5, sampling_replay=0, is_cap=1.2)
                       for choice in ("tis", "mis")],
     "is_cap": [step(1.05, update_differs, top_p=0.5, sampling_replay=0, is_correction="mis")],
+    # GSPO: with mu = 2 the second update's ratios differ from 1; one per sequence is another update
+    "importance_sampling_level": [step("sequence", lambda d, f: update_differs(d, f)
+                                       and f.record["clip_ratio"] != d.record["clip_ratio"],
+                                       num_iterations=2)],
     # entropy
     "entropy_chunk_size": [step(5, lambda d, f: set(f.calls["entropy_chunk"]) == {5}
                                 and set(d.calls["entropy_chunk"]) == {128})],
@@ -207,6 +211,10 @@ FLAGS = {
     "dtype": [step("bfloat16", update_differs),
               step("float16", lambda d, f: update_differs(d, f) and f.record["loss_scale"] == 2.0 ** 16
                    and "loss_scale" not in d.record)],
+    # the bench's sizes: the fp32 head lowers the bf16 gap between the sampler and the trainer
+    "cast_lm_head_to_fp32": [step(1, lambda d, f: f.record["sampler_logp_diff_max"]
+                                  < 0.5 * d.record["sampler_logp_diff_max"], dtype="bfloat16",
+                                  batch_size=4, num_generations=8, max_gen_len=16)],
     "fsdp": [elsewhere("test_fsdp.py::test_fsdp_shards_and_the_loss_forward_goes_through_the_sharded_module")],
     "rollout_cache": [step("static", lambda d, f: config(f).cache_implementation == "static"
                            and config(d).cache_implementation is None)],

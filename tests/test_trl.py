@@ -1,0 +1,215 @@
+"""What a TRL user brings: TRL's batched reward functions (written as TRL's documentation shows them), GSPO's
+sequence ratio (--importance_sampling_level sequence) and an fp32 lm_head (--cast_lm_head_to_fp32). Every
+expected value is computed here by hand or by a plain computation, not by the trainer's functions."""
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from helpers import tg, tiny
+from test_custom import REAL, model_dir, write_jsonl  # noqa: F401  (model_dir: a fixture)
+from test_flag_table import one_step
+
+
+# ---- 1. rewards, TRL's batched form ----
+# TRL's documentation, verbatim: a length reward (standard format), a format reward (conversational format)
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+def per_sample_len(completion, answer):
+    return float(len(completion) == len(answer))
+
+
+TEXTS = ["ab", "x" * 20, "abcdefgh" * 3, "<think>hm</think><answer>4</answer>", "", "dcba", "dcba", "abc"]
+ROWS = [{"prompt": f"p{i // 4}=", "answer": "dcba"} for i in range(8)]       # 2 prompts x G = 4
+
+
+def test_trl_length_reward_beside_a_per_sample_one_weighted():
+    rewards = tg.compute_rewards([reward_len, per_sample_len], [0.5, 2.0], TEXTS, ROWS, [[1]] * 8)
+    hand = [0.5 * -abs(20 - len(t)) + 2.0 * (len(t) == 4) for t in TEXTS]
+    assert rewards.tolist() == pytest.approx(hand)
+
+
+def test_group_level_reward_sees_the_whole_batch():
+    def rank_in_group(prompts, completions, **kwargs):
+        # a group-level reward: the rank of each completion's length within its group, 0..G-1
+        out = []
+        for i, c in enumerate(completions):
+            group = completions[i // 4 * 4:i // 4 * 4 + 4]
+            out.append(float(sum(len(o) < len(c) for o in group)))
+        return out
+
+    def unique_in_group(completions, **kwargs):       # diversity: 1 if no other in its group is the same
+        return [float(completions[i // 4 * 4:i // 4 * 4 + 4].count(c) == 1) for i, c in enumerate(completions)]
+    got = tg.compute_rewards([rank_in_group, unique_in_group], [1.0, 10.0], TEXTS, ROWS, [[1]] * 8)
+    # by hand: lengths 2, 20, 24, 35 | 0, 4, 4, 3 -> ranks 0 1 2 3 | 0 2 2 1; "dcba" twice in group 2
+    assert got.tolist() == [10.0, 11.0, 12.0, 13.0, 10.0, 2.0, 2.0, 11.0]
+
+
+def test_none_is_skipped_and_a_sample_no_reward_applies_to_is_an_error():
+    def only_short(completions, **kwargs):                     # TRL: None = "does not apply"
+        return [1.0 if len(c) < 5 else None for c in completions]
+
+    def only_long(completion):
+        return 3.0 if len(completion) >= 5 else None
+    got = tg.compute_rewards([only_short, only_long], [1.0, 2.0], TEXTS, ROWS, [[1]] * 8)
+    assert got.tolist() == [1.0 if len(t) < 5 else 6.0 for t in TEXTS]
+    with pytest.raises(tg.TrainerError, match=r"every reward function returned None.*sample 1 "):
+        tg.compute_rewards([only_short], [1.0], TEXTS, ROWS, [[1]] * 8)
+
+
+@pytest.mark.parametrize("returned, words", [("[1.0] * 7", "not a list of 8 values"), ("1.0", "not a list"),
+                                             ("['a'] * 8", "not a number"), ("[math.nan] * 8", "not a finite")])
+def test_a_wrong_batched_return_is_an_error_naming_the_function(returned, words):
+    def bad_reward(completions, **kwargs):
+        return eval(returned)
+    with pytest.raises(tg.TrainerError, match="bad_reward") as e:
+        tg.compute_rewards([bad_reward], [1.0], TEXTS, ROWS, [[1]] * 8)
+    assert words in str(e.value)
+
+
+TRL_FILE = '''
+import json, os, re
+
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+def seen(prompts, completions, completion_ids, level, **kwargs):
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write(json.dumps(dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                level=level, others=sorted(kwargs))) + "\\n")
+    return [float(len(c[0]["content"])) for c in completions]
+'''
+
+
+def test_trl_rewards_on_a_conversational_dataset_get_what_trl_gives(tmp_path, model_dir, monkeypatch):  # noqa
+    from transformers import AutoTokenizer
+    (tmp_path / "trl_rewards.py").write_text(TRL_FILE)
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "calls.jsonl"))
+    rows = [{"prompt": [{"role": "user", "content": f"Count to {n}."}], "level": n, "tag": f"t{n}"}
+            for n in range(8)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    f = tmp_path / "trl_rewards.py"
+    tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", data, "--max_steps", "2",
+                    "--reward_funcs", f"{f}:format_reward_func,{f}:seen", "--reward_weights", "5,1",
+                    "--save_dir", str(tmp_path / "run")])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    calls = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
+    logged = [json.loads(line)["reward"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(calls) == 2 and len(logged) == 2                              # once per step, all rows
+    for call, reward in zip(calls, logged):
+        assert len(call["prompts"]) == 2 * 2 and call["others"] == ["tag"]  # every other column, as lists
+        for prompt, completion, ids, level in zip(call["prompts"], call["completions"], call["completion_ids"],
+                                                  call["level"]):
+            assert prompt == rows[level]["prompt"]                            # the dataset's own messages
+            assert len(completion) == 1 and completion[0]["role"] == "assistant"
+            assert completion[0]["content"] == tok.decode(ids, skip_special_tokens=True)
+        texts = [c[0]["content"] for c in call["completions"]]
+        hand = [5.0 * bool(re.match(r"^<think>.*?</think><answer>.*?</answer>$", t)) + len(t) for t in texts]
+        assert reward == pytest.approx(sum(hand) / len(hand))
+
+
+def test_held_out_score_calls_a_batched_reward_on_one_completion(tmp_path):
+    (tmp_path / "r.py").write_text("def reward_len(completions, **kwargs):\n"
+                                   "    return [-abs(20 - len(completion)) for completion in completions]\n")
+    args = tg.parse_args(["--reward_funcs", f"{tmp_path / 'r.py'}:reward_len", "--eval_size", "16"])
+    tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
+    *_, (key, score) = tg.load_task(args, tok, 1)
+    assert key == "eval_reward" and score("abcde", {"prompt": "edcba=", "answer": "abcde"}) == -15.0
+
+
+# ---- 2. GSPO: one ratio per sequence ----
+def test_sequence_ratio_loss_gradient_and_clip_ratio_by_hand():
+    """mu = 2: the second update's logps differ from old, so the sequence ratios leave [1 - eps, 1 + eps]."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-0.3, -0.7, -1.1, -0.2], [-2.0, -1.0, -0.4, -0.6]])
+    shift = torch.tensor([[0.3, 0.1, 0.2, 5.0], [-0.2, -0.4, 0.0, 0.1], [0.05, -0.05, 0.02, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])          # token 4 of row 0 is padding
+    A = torch.tensor([1.0, -1.0, 2.0])
+    logps = (old + shift).requires_grad_(True)
+    loss, stats = tg.grpo_loss(logps, old, A, mask, loss_type="grpo", epsilon=0.1, epsilon_high=0.1,
+                               importance_sampling_level="sequence")
+    loss.backward()
+    # by hand, per sequence: s = exp(mean of the masked shifts); L_i = -min(s A, clip(s, 0.9, 1.1) A) on each of
+    # its tokens, so grpo's mean over the tokens of o_i is L_i itself and the loss is mean_i L_i
+    hand_loss, hand_grad, clipped_tokens = 0.0, torch.zeros(3, 4), 0
+    for i in range(3):
+        n = int(mask[i].sum())
+        s = math.exp(sum(shift[i, t].item() for t in range(n)) / n)  # row 0: 1.22, row 1: 0.80, row 2: 1.0
+        a = A[i].item()
+        unclipped, clip = s * a, min(max(s, 0.9), 1.1) * a
+        hand_loss += -min(unclipped, clip) / 3
+        if unclipped <= clip:                     # d(-s A)/dlogp_t = -A s / n on each masked token of o_i
+            hand_grad[i, :n] = -a * s / n / 3
+        else:
+            clipped_tokens += n                   # the clip binds: no gradient, every token counted
+    assert loss.item() == pytest.approx(hand_loss, rel=1e-6)
+    torch.testing.assert_close(logps.grad, hand_grad)
+    assert stats["clip_ratio"].item() == pytest.approx(clipped_tokens / 9) and clipped_tokens == 3 + 4
+    # the token ratio is another objective on the same batch (row 0's tokens clip one by one)
+    token_loss, _ = tg.grpo_loss(logps.detach(), old, A, mask, loss_type="grpo", epsilon=0.1, epsilon_high=0.1)
+    assert token_loss.item() != pytest.approx(loss.item())
+
+
+def test_gspo_refuses_cispo_in_one_line():
+    problems = list(tg.check_args(tg.Args(loss_type="cispo", importance_sampling_level="sequence")))
+    assert len(problems) == 1 and "--importance_sampling_level sequence" in problems[0]
+    assert not list(tg.check_args(tg.Args(loss_type="grpo", importance_sampling_level="sequence")))
+
+
+# ---- 3. fp32 lm_head ----
+def test_fp32_head_is_an_fp32_matmul_of_the_bf16_hidden_state_in_generate_and_the_trainer():
+    model, tok = tiny(seed=4)
+    keys = list(model.state_dict())
+    args = tg.Args(dtype="bfloat16", cast_lm_head_to_fp32=1)
+    ids = torch.tensor([[3, 5, 7, 4, 9, 10, 6]])
+    with torch.no_grad(), tg.autocast(tg.Args(dtype="bfloat16"), "cpu"):
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state          # computed under bf16
+        plain = tg.lm_logits(model, hidden)
+        tg.cast_lm_head_to_fp32(model)
+        ours, forward = tg.lm_logits(model, hidden), model(input_ids=ids).logits
+    W = model.get_input_embeddings().weight                                    # tied: the embedding
+    want = hidden.double() @ W.double().T                                      # the fp32 product, exact
+    assert ours.dtype == forward.dtype == torch.float32
+    torch.testing.assert_close(ours.double(), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(forward.double(), want, rtol=0, atol=1e-5)      # generate's path: the same
+    assert (plain.double() - want).abs().max() > 1e-3                         # the bf16 matmul is not
+    assert list(model.state_dict()) == keys and model.get_output_embeddings().weight is W
+    assert args.cast_lm_head_to_fp32 and not list(tg.check_args(args))
+
+
+def test_reference_computes_what_the_policy_computes_with_the_fp32_head():
+    model, tok = tiny(seed=5)
+    tg.cast_lm_head_to_fp32(model)
+    model.config.tie_word_embeddings = False                                  # an untied head too
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() + 0.01)
+    ref = tg.frozen_copy(model, torch.bfloat16)
+    assert ref.lm_head.weight.dtype == torch.float32                          # not cast to bf16
+    ids = torch.tensor([[3, 5, 7, 4, 9, 10, 6, 8]])
+    with torch.no_grad(), tg.autocast(tg.Args(dtype="bfloat16"), "cpu"):
+        a = tg.completion_logps(model, ids, torch.ones_like(ids), 4)[0]
+        b = tg.completion_logps(ref, ids, torch.ones_like(ids), 4)[0]
+    assert torch.equal(a, b)                                                  # KL exactly 0 at step 1
+
+
+def test_fp32_head_reduces_the_bf16_sampler_mismatch_and_refuses_fsdp():
+    sizes = dict(dtype="bfloat16", batch_size=4, num_generations=8, max_gen_len=16)
+    plain, fp32 = one_step(**sizes).record, one_step(**sizes, cast_lm_head_to_fp32=1).record
+    assert fp32["sampler_logp_diff_max"] < 0.5 * plain["sampler_logp_diff_max"]
+    assert fp32["sampler_logp_diff_mean"] < plain["sampler_logp_diff_mean"]
+    problems = list(tg.check_args(tg.Args(fsdp=1, cast_lm_head_to_fp32=1)))
+    assert len(problems) == 1 and "--cast_lm_head_to_fp32" in problems[0] and "--fsdp" in problems[0]
