@@ -196,14 +196,14 @@ class Args:
 # --------------------------------------------------------------------------------------------------
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
     """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
-    A prompt the chat template rendered holds its special tokens as text (Llama-3's
-    <|begin_of_text|>, ChatML's <|im_start|>): it is tokenized as written, nothing added twice. A
-    plain-text prompt holds none and gets what tokenizer(text) adds (the BOS of Llama, Gemma or
-    Mistral), as in pretraining. Returns input_ids [B, P], attention_mask [B, P] and how many
+    A prompt starts with the BOS its tokenizer puts first (Llama, Gemma, Mistral: as in
+    pretraining), never twice: a chat template that writes it (Llama-3's <|begin_of_text|>) gets
+    none added; no EOS is ever added. Returns input_ids [B, P], attention_mask [B, P] and how many
     prompts were cut."""
-    special = set(tokenizer.all_special_ids)
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
     ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    ids = [x if special & set(x) else tokenizer(p).input_ids for x, p in zip(ids, prompts)]
+    ids = [[bos] + x if adds_bos and x[:1] != [bos] else x for x in ids]
     n_cut = sum(len(x) > max_prompt_len for x in ids)
     ids = [x[-max_prompt_len:] for x in ids]
     width = max(len(x) for x in ids)
@@ -723,18 +723,19 @@ def loss_scaler(dtype, device):
     return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
 
 
-# GradScaler halves an fp16 loss scale on each overflow; at or below this one, an overflow is the
-# gradient's own, not the scale's
+# GradScaler halves an fp16 loss scale on each overflow, here never below this one: an overflow at
+# scale 1 is the gradient's own, not the scale's
 MIN_LOSS_SCALE = 1.0
 
 
 def clipped_optimizer_step(run, grad_clip, loss, state):
     """Step 13: unscale (fp16), clip the global grad norm, step, zero the gradients. A step whose
     loss or grad norm is not finite on any rank is skipped on every rank (a world decision), and
-    counted in state.skipped_steps; under fp16 the loss scale then halves on every rank, and
-    doubles after 2,000 good steps in a row (GradScaler's rule). An overflow the scale can still
-    cure is the scaler's normal work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, counts
-    toward the loop's stop after 3 in a row (state.bad_in_a_row). Returns the grad norm."""
+    counted in state.skipped_steps (updates: mu per step); under fp16 the loss scale then halves on
+    every rank (down to MIN_LOSS_SCALE), and doubles after 2,000 good steps in a row (GradScaler's
+    rule). An overflow the scale can still cure is the scaler's normal work; a non-finite loss, or
+    an overflow at MIN_LOSS_SCALE, counts toward the stop after 3 in a row (state.bad_in_a_row).
+    Returns the grad norm."""
     policy, optimizer, scaler = unwrap(run.model), run.optimizer, run.scaler
     scaler.unscale_(optimizer)  # the true loss's gradients: clipping and the norm see real values
     max_norm = grad_clip if grad_clip > 0 else float("inf")
@@ -753,7 +754,7 @@ def clipped_optimizer_step(run, grad_clip, loss, state):
         if bad_loss or not scale_can_drop:
             state.bad_in_a_row += 1
         if scaler.is_enabled():  # every rank lowers its scale alike (its own check may see no inf)
-            scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+            scaler.update(max(scaler.get_scale() * scaler.get_backoff_factor(), MIN_LOSS_SCALE))
             scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
@@ -1002,10 +1003,11 @@ def train(args, rank, world, device):
     if master:
         print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never "
               "trained on")
-    if not eval_rows and args.eval_interval > 0:  # a dataset file of fewer than 10 rows
+    if not eval_rows and args.eval_interval > 0:  # an empty test split, a file of < 10 rows
         args.eval_interval = 0
         if master:
-            print("no held-out set (a file of fewer than 10 rows holds none out): no evaluation")
+            print("no held-out prompts (an empty test split, or a file of fewer than 10 rows): "
+                  "no evaluation")
     sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
                                  shuffle=True, seed=args.seed, drop_last=True)
     model = policy
@@ -1332,18 +1334,18 @@ COMPARE_NUMBERS = "compare_numbers"
 
 
 def make_compare_task(eval_size, seed=1234):
-    """Held out: eval_size unordered pairs, each asked in one order; trained: both orders of every
-    other pair ("37 or 52" held out means "52 or 37" is never trained on either)."""
+    """Held out: the first eval_size ordered pairs of a seeded shuffle; trained: every other ordered
+    pair whose numbers are not held out in either order ("37 or 52" held out, "52 or 37" is never
+    trained on)."""
     rng = random.Random(seed)
-    pairs = [(a, b) for a in range(10, 100) for b in range(a + 1, 100)]
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
     rng.shuffle(pairs)
-    held_out = [p if rng.random() < 0.5 else p[::-1] for p in pairs[:eval_size]]
-    trained = [p for a, b in pairs[eval_size:] for p in ((a, b), (b, a))]
-    rng.shuffle(trained)
+    held_out = {frozenset(p) for p in pairs[:eval_size]}
+    trained = [p for p in pairs[eval_size:] if frozenset(p) not in held_out]
     question = "Which number is larger, {} or {}? Answer with the number only."
     rows = lambda pairs: [{"prompt": [{"role": "user", "content": question.format(a, b)}],
                            "answer": max(a, b)} for a, b in pairs]
-    return rows(trained), rows(held_out)
+    return rows(trained), rows(pairs[:eval_size])
 
 
 def compare_correct_reward(completion, answer):
@@ -1747,6 +1749,12 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
             loss = loss + aux * unwrap(model).config.router_aux_loss_coef
         sft.scaler.scale(loss).backward()
         clipped_optimizer_step(sft, 1.0, loss.item(), state)
+        if state.bad_in_a_row >= 3:
+            raise TrainerError("supervised warm-up: loss or grad norm not finite for 3 steps in a "
+                               "row")
+    if state.skipped_steps and rank == 0:
+        print(f"supervised warm-up: {state.skipped_steps} of {args.sft_warmup_steps} steps skipped "
+              "(loss or grad norm not finite; under fp16 the loss scale was still falling)")
 
 
 # --------------------------------------------------------------------------------------------------

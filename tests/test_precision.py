@@ -155,3 +155,40 @@ def test_sft_warmup_under_fp16_scales_its_loss_like_the_grpo_update():
         tg.sft_warmup(model, tok, tg.make_reverse_task(16)[0], args, torch.device("cpu"), 0, 1)
     ratio = (seen["float16"].norm() / seen["float32"].norm()).item()
     assert ratio == pytest.approx(2.0 ** 16, rel=0.05)
+
+
+@pytest.mark.parametrize("fp16, scale, loss, inf_grad, counts, scale_after", [
+    (True, 2.0 ** 16, 1.0, True, 0, 2.0 ** 15),      # an overflow the scale can cure: skipped, not counted
+    (True, 2.0, 1.0, True, 0, 1.0),
+    (True, 1.0, 1.0, True, 1, 1.0),                  # at the smallest scale: the gradient's own overflow
+    (True, 2.0 ** 16, float("nan"), False, 1, 2.0 ** 15),  # a loss no scale cures
+    (False, None, 1.0, True, 1, None),               # fp32/bf16: every skip counts
+])
+def test_a_skip_counts_toward_the_stop_when_the_loss_scale_cannot_cure_it(fp16, scale, loss, inf_grad, counts,
+                                                                          scale_after):
+    from helpers import make_run
+    model, tok = tiny()
+    run = make_run(model, tok, torch.optim.AdamW(model.parameters(), lr=1e-3), fp16=fp16)
+    if fp16:
+        run.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        run.scaler.scale(torch.ones(()))                               # the scaler's first use sets its scale
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    if inf_grad:
+        next(model.parameters()).grad.view(-1)[0] = torch.inf
+    state = tg.TrainState()
+    tg.clipped_optimizer_step(run, 1.0, loss, state)
+    assert state.skipped_steps == 1 and state.bad_in_a_row == counts
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # nothing applied
+    if fp16:
+        assert run.scaler.get_scale() == scale_after
+
+
+def test_a_warm_up_that_cannot_step_stops_in_one_line():
+    model, tok = tiny()
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    args = tg.parse_args(["--sft_warmup_steps", "6", "--batch_size", "4"])
+    with pytest.raises(tg.TrainerError, match="supervised warm-up: loss or grad norm not finite for 3 steps"):
+        tg.sft_warmup(model, tok, tg.make_reverse_task(16)[0], args, torch.device("cpu"), 0, 1)

@@ -218,12 +218,16 @@ def test_reward_that_raises_names_the_sample(tmp_path, monkeypatch):
 
 def test_reward_that_is_not_a_finite_number_names_the_function_and_sample(tmp_path, monkeypatch):
     for bad_value, shown in ((float("nan"), "nan, not a finite number"), (float("inf"), "inf, not a finite number"),
-                             ("0.5", "'0.5', not a number"), (None, "None, not a number")):
+                             ("0.5", "'0.5', not a number"),
+                             # None: "does not apply" (TRL's meaning); the only reward, so nothing scores it
+                             (None, None)):
         def bad(completion, answer, calls=[0]):
             calls[0] += 1
             return 0.5 if calls[0] != 3 else bad_value                       # the third sample is bad
         monkeypatch.setattr(tg, "reverse_reward", bad)
-        with pytest.raises(tg.TrainerError, match=rf"^reward bad returned {shown}, on sample 2 "):
+        error = (rf"^reward bad returned {shown}, on sample 2 " if shown else
+                 r"^every reward function returned None \(does not apply\) on sample 2 ")
+        with pytest.raises(tg.TrainerError, match=error):
             tg.main(FAST + ["--max_steps", "1", "--save_dir", str(tmp_path)])
 
 

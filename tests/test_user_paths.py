@@ -237,7 +237,9 @@ def bos_tokenizer():
                                          *"abc= "])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    # BOS first and, like add_eos_token=True, an EOS last: a prompt must get the first and not the second
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>",
+                                                       special_tokens=[("<bos>", 2), ("<eos>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    bos_token="<bos>", unk_token="<unk>", padding_side="left",
                                    additional_special_tokens=["<|user|>", "<|assistant|>"])
@@ -250,18 +252,20 @@ def test_a_plain_prompt_gets_its_bos_and_a_templated_one_none_twice():
     tok = bos_tokenizer()
     chat = tg.render_prompt(tok, {"prompt": [{"role": "user", "content": "ab"}]}, tg.Args())
     assert chat == "<bos><|user|>ab<|assistant|>"
-    ids, am, _ = tg.tokenize_prompts(tok, ["ca=", chat], 64, "cpu")
-    # by hand: <pad> 0, <bos> 2, <|user|> 4, <|assistant|> 5, a 6, b 7, c 8, '=' 9; left-padded
-    assert ids.tolist() == [[0, 2, 8, 6, 9], [2, 4, 6, 7, 5]]
-    assert am.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    ids, am, _ = tg.tokenize_prompts(tok, ["ca=", chat, "cx="], 64, "cpu")
+    # by hand: <pad> 0, <bos> 2, <unk> 3, <|user|> 4, <|assistant|> 5, a 6, b 7, c 8, '=' 9; left-padded.
+    # "x" is unknown (<unk>, a special id): the prompt is still plain text and gets its BOS
+    assert ids.tolist() == [[0, 2, 8, 6, 9], [2, 4, 6, 7, 5], [0, 2, 8, 3, 9]]
+    assert am.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
 
 
 def test_compare_numbers_holds_out_questions_never_trained_in_either_order():
     train, held_out = tg.make_compare_task(200)
     pair = lambda r: tuple(int(x) for x in re.findall(r"\d+", r["prompt"][0]["content"]))
     trained = [pair(r) for r in train]
-    assert len(held_out) == 200 and len(train) + 2 * len(held_out) == 90 * 89
-    assert not {frozenset(pair(r)) for r in held_out} & {frozenset(p) for p in trained}
+    held = {frozenset(pair(r)) for r in held_out}
+    assert len(held_out) == 200 and len(train) == 90 * 89 - 2 * len(held)  # both orders of all others
+    assert not held & {frozenset(p) for p in trained}
     assert sorted(trained) == sorted((b, a) for a, b in trained)  # both orders of every trained pair
     assert all(r["answer"] == max(pair(r)) for r in train + held_out)
 
