@@ -891,7 +891,7 @@ def accumulate_gradients(run, batch, args, entropy_coef):
             sums["aux"] += aux.item() / S
         run.scaler.scale(loss).backward()  # fp16: loss x scale, so small gradients do not flush
         tokens = mask.sum().item()
-        for k, v in (("loss", loss), ("policy_loss", stats["policy_loss"]), ("tokens", tokens),
+        for k, v in (("loss", loss.detach()), ("policy_loss", stats["policy_loss"]), ("tokens", tokens),
                      ("kl_sum", stats.get("kl_sum", 0.0)), ("clip", stats["clip_ratio"] * tokens),
                      ("entropy_sum", (entropy.detach() * mask).sum())):
             sums[k] += float(v)
