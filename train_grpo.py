@@ -836,11 +836,13 @@ def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept):
 
 
 def accumulate_gradients(run, batch, args, entropy_coef):
-    """Steps 7-12 over S micro-batches of the kept rows (batch["kept"]): current log-probs through
-    `run.model` (the DDP wrapper), the loss, backward. Gradients add up over micro-batches; DDP
-    all-reduces on the last only. The divisors are the whole step's: its rows, its tokens."""
-    model, world, kept = run.model, run.world, batch["kept"]
+    """Steps 7-12 over S micro-batches of the kept rows (batch["kept"], default all): current
+    log-probs through `run.model` (the DDP wrapper), the loss, backward. Gradients add up over
+    micro-batches; DDP all-reduces on the last only. The divisors are the whole step's: its rows,
+    its tokens."""
+    model, world = run.model, run.world
     rows, width = batch["input_ids"].shape                    # this rank's rows, kept or not
+    kept = batch.get("kept", torch.arange(rows, device=batch["input_ids"].device))  # [kept]
     # world decisions: every rank runs the same number of micro-steps (DDP all-reduces in the last,
     # FSDP gathers in each), as many as the rank that keeps the most rows needs; 0: no rank keeps
     # one, and no rank runs a forward or a backward
@@ -891,8 +893,9 @@ def accumulate_gradients(run, batch, args, entropy_coef):
             sums["aux"] += aux.item() / S
         run.scaler.scale(loss).backward()  # fp16: loss x scale, so small gradients do not flush
         tokens = mask.sum().item()
-        for k, v in (("loss", loss.detach()), ("policy_loss", stats["policy_loss"]), ("tokens", tokens),
-                     ("kl_sum", stats.get("kl_sum", 0.0)), ("clip", stats["clip_ratio"] * tokens),
+        for k, v in (("loss", loss.detach()), ("policy_loss", stats["policy_loss"]),
+                     ("tokens", tokens), ("kl_sum", stats.get("kl_sum", 0.0)),
+                     ("clip", stats["clip_ratio"] * tokens),
                      ("entropy_sum", (entropy.detach() * mask).sum())):
             sums[k] += float(v)
     if S == 0:  # AdamW steps as it would after backward on rows with A = 0: on zero gradients

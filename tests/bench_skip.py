@@ -6,9 +6,10 @@ accuracy before and after, rows trained per step.
                                                   # the built-in task (the default run)
     python tests/bench_skip.py --steps 20         # fewer SmolLM2 steps
     python tests/bench_skip.py --only builtin     # or --only smollm2
+    python tests/bench_skip.py --side_by_side     # on and off at once, one thread each: on a CPU that others
+                                                  # load too, both runs see the same load
 
-The runs go one after the other (never side by side: they would share the CPU). pytest does not collect this
-file.
+pytest does not collect this file.
 """
 import argparse
 import importlib.util
@@ -28,10 +29,13 @@ def gguf_path():
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def run(flags, save_dir):
-    """One CLI run; its metrics.jsonl rows."""
+def start(flags, save_dir, threads=None):
     cmd = [sys.executable, os.path.join(ROOT, "train_grpo.py"), *flags, "--save_dir", save_dir]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
+
+
+def metrics(save_dir):
     return [json.loads(line) for line in open(os.path.join(save_dir, "metrics.jsonl"))]
 
 
@@ -53,6 +57,8 @@ def main():
     p.add_argument("--steps", type=int, default=40, help="SmolLM2 steps (the README's run: 40)")
     p.add_argument("--only", choices=("smollm2", "builtin"), default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--side_by_side", action="store_true")
+    p.add_argument("--out", default="", help="keep the runs here (default: a temporary folder)")
     a = p.parse_args()
     runs = []
     if a.only in (None, "smollm2"):
@@ -63,10 +69,18 @@ def main():
     table = ["| run | skipping | steps | s/step | late s/step | rows trained/step (late) | frac_reward_zero_std "
              "| held-out before | after |", "| --- " * 9 + "|"]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, flags in runs:
+        out = a.out or tmp
+        for i, (name, flags) in enumerate(runs):
+            dirs = [os.path.join(out, f"run{i}_skip{skip}") for skip in (0, 1)]
+            procs = []
             for skip in (0, 1):
-                s = summary(run([*flags, "--seed", str(a.seed), "--skip_zero_advantage_rows", str(skip)],
-                                os.path.join(tmp, f"{len(table)}")))
+                procs.append(start([*flags, "--seed", str(a.seed), "--skip_zero_advantage_rows", str(skip)],
+                                   dirs[skip], threads=1 if a.side_by_side else None))
+                if not a.side_by_side:
+                    procs[-1].wait()
+            assert all(p.wait() == 0 for p in procs)
+            for skip in (0, 1):
+                s = summary(metrics(dirs[skip]))
                 table.append(f"| {name} | {'on' if skip else 'off'} | {s['steps']} | {s['s/step']:.2f} | "
                              f"{s['late s/step']:.2f} | {s['rows trained/step']:.1f} "
                              f"({s['late rows trained/step']:.1f}) | {s['frac_reward_zero_std']:.2f} | "
