@@ -18,6 +18,9 @@ The algorithmic choices, in the order of one step (`grpo_step`; the README's "Th
      Clipping acts only when mu > 1 (--num_iterations).
   7. Master weights and AdamW state stay fp32; forward, backward and rollout compute in --dtype
      under autocast (fp16 with dynamic loss scaling).
+  8. A row whose advantage is 0 (its group's rewards all tie) skips its log-prob forwards and its
+     backward where that leaves the update as it is (beta = 0, no entropy bonus, no MoE, not bnpo):
+     the divisors stay the step's. A step where every group ties steps AdamW on zero gradients.
 
     python train_grpo.py                                        # offline: tiny model, built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo CPU, nccl GPU)
@@ -687,7 +690,7 @@ class TrainState:
     sampler_pos: int = 0
     entropy_coef: float = 0.0          # c: the adaptive coefficient (or the static alpha)
     entropy_coef_applied: float = 0.0  # alpha used in the next step's loss
-    world_entropy: float = float("nan")
+    world_entropy: float = float("nan")  # of the rows trained on (all of them when adaptive)
     bad_in_a_row: int = 0              # steps skipped in a row (loss or grad norm not finite)
     truncated_prompts: int = 0         # prompts left-truncated so far, all ranks
 
