@@ -813,8 +813,9 @@ def rows_to_train(args, run, advantages):
     router loss, and under bnpo, whose divisor is each micro-batch's own tokens."""
     exact = (args.beta == 0 and args.entropy_coef == 0 and not args.use_adaptive_entropy
              and not is_moe(run.model) and args.loss_type != "bnpo")
-    keep = advantages != 0 if args.skip_zero_advantage_rows and exact else advantages == advantages
-    return keep.nonzero().squeeze(1)
+    if not (args.skip_zero_advantage_rows and exact):
+        return torch.arange(len(advantages), device=advantages.device)
+    return (advantages != 0).nonzero().squeeze(1)  # a NaN advantage is kept: the step sees it
 
 
 def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept):
