@@ -144,7 +144,8 @@ FLAGS = {
     # rollout
     "num_generations": [step(2, lambda d, f: f.tokens.shape[0] == 2 * 2 and d.tokens.shape[0] == 2 * 4)],
     "batch_size": [step(1, lambda d, f: f.tokens.shape[0] == 1 * 4)],
-    "micro_batch_size": [step(4, lambda d, f: len(f.calls["lm_logits"]) == 2 * len(d.calls["lm_logits"]))],
+    "micro_batch_size": [step(4, lambda d, f: len(f.calls["lm_logits"]) == 2 * len(d.calls["lm_logits"]),
+                              skip_zero_advantage_rows=0)],  # every row trained: 2 micro-steps, not 1
     "micro_batch_tokens": [elsewhere("test_user_paths.py::test_auto_micro_batch_is_one_decision_for_all_ranks")],
     "max_prompt_len": [step(3, lambda d, f: f.record["truncated_prompts"] == 2 and d.record["truncated_prompts"] == 0)],
     "max_gen_len": [step(3, lambda d, f: tokens_shape(f) == 3 and tokens_shape(d) == 6)],
