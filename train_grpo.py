@@ -21,6 +21,9 @@ The algorithmic choices, in the order of one step (`grpo_step`; the README's "Th
      Clipping acts only when mu > 1 (--num_iterations).
   7. Master weights and AdamW state stay fp32; forward, backward and rollout compute in --dtype
      under autocast (fp16 with dynamic loss scaling), the lm_head optionally in fp32.
+  8. A row whose advantage is 0 (its group's rewards all tie) skips its log-prob forwards and its
+     backward where that leaves the update as it is (beta = 0, no entropy bonus, no MoE, not bnpo):
+     the divisors stay the step's. A step where every group ties steps AdamW on zero gradients.
 
     python train_grpo.py                                        # offline: tiny model, built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo CPU, nccl GPU)
@@ -154,6 +157,12 @@ class Args:
                             choices=("constant", "cosine"))
     warmup_steps: int = opt(0, "linear learning-rate warmup steps")
     grad_clip: float = opt(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
+    skip_zero_advantage_rows: int = opt(1, "1: rows whose advantage is 0 skip the log-prob "
+                                        "forwards and the backward (the same update, less work); "
+                                        "never with --beta > 0, an entropy bonus (--entropy_coef "
+                                        "!= 0 or --use_adaptive_entropy 1), --use_moe 1 or "
+                                        "--loss_type bnpo, where such rows do change the update",
+                                        choices=(0, 1))
     gradient_checkpointing: int = opt(-1, "1: recompute transformer layers in backward; -1: auto "
                                       "(on for --model_name_or_path, off for the built-in tiny "
                                       "model)", choices=(-1, 0, 1))
@@ -393,7 +402,9 @@ def compute_advantages(rewards, num_generations, scale_rewards="group", batch_st
     # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), std with n - 1 (torch.std, as TRL).
     # "batch" divides by batch_std (the trainer passes all ranks' std), else by this batch's std
     grouped = rewards.view(-1, num_generations)                                   # [B, G]
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    # a group whose rewards all tie gets exactly 0 (the float mean of G copies of 0.2 is not 0.2)
+    tied = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    centered = torch.where(tied, 0.0, grouped - grouped.mean(dim=1, keepdim=True))
     if scale_rewards == "group":
         centered = centered / (grouped.std(dim=1, keepdim=True) + 1e-4)
     elif scale_rewards == "batch":
@@ -561,15 +572,18 @@ def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1
 # Steps 8-9, 11. The objective, the mismatch correction, the entropy coefficient
 # --------------------------------------------------------------------------------------------------
 def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1,
-              accum_steps=1):
-    """A per-token quantity [rows, T] -> the scalar the loss uses (the README's step 9 table)."""
+              accum_steps=1, step_rows=None):
+    """A per-token quantity [rows, T] -> the scalar the loss uses (the README's step 9 table).
+    grpo and dr_grpo divide by this rank's rows in the whole step, step_rows (None: this
+    micro-batch's rows x S, the same number when every row is trained); skipped rows count in it."""
     total = per_token * mask
-    if loss_type == "grpo":     # mean_i [ sum_t L m / max(sum_t m, 1) ] / S
-        return (total.sum(1) / mask.sum(1).clamp(min=1)).mean() / accum_steps
+    rows = step_rows or mask.shape[0] * accum_steps  # = micro-batch rows x S
+    if loss_type == "grpo":     # sum_i [ sum_t L m / max(sum_t m, 1) ] / rows  (= mean_i [..] / S)
+        return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / rows
     if loss_type == "bnpo":     # sum L m / max(sum m, 1) / S   (this rank's micro-batch)
         return total.sum() / mask.sum().clamp(min=1) / accum_steps
-    if loss_type == "dr_grpo":  # sum L m / (rows * L_max) / S
-        return total.sum() / (mask.shape[0] * (max_gen_len or mask.shape[1])) / accum_steps
+    if loss_type == "dr_grpo":  # sum L m / (rows * L_max)
+        return total.sum() / (rows * (max_gen_len or mask.shape[1]))
     if loss_type in ("dapo", "cispo"):  # sum L m / (N / world_size), N: the step's masked tokens
         n = num_items if num_items is not None else mask.sum()
         return total.sum() / max(float(n) / world_size, 1.0)
@@ -606,15 +620,16 @@ def sampler_mismatch(gap, mask, device="cpu"):
 
 def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high,
               ref_logps=None, beta=0.0, max_gen_len=None, num_items=None, world_size=1,
-              entropy=None, entropy_coef=0.0, accum_steps=1, is_weight=None,
+              entropy=None, entropy_coef=0.0, accum_steps=1, step_rows=None, is_weight=None,
               importance_sampling_level="token"):
     """logps/old_logps/ref_logps/mask/entropy/is_weight: [rows, T]; advantages: [rows]. Returns
     (loss, stats). old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy.
     is_weight: a detached per-token weight of the policy term (importance_weights: the
-    sampler/trainer mismatch correction). importance_sampling_level "sequence" (GSPO): one ratio
-    per sequence, s_i = exp(sum_t m (logp - old) / max(sum_t m, 1)), clipped per sequence and
-    applied to each of its tokens; meant for loss_type grpo (a mean per sequence), refused for
-    cispo. clip_ratio counts masked tokens either way: a clipped sequence counts all its tokens."""
+    sampler/trainer mismatch correction). step_rows: grpo's and dr_grpo's row count (aggregate).
+    importance_sampling_level "sequence" (GSPO): one ratio per sequence, s_i = exp(sum_t m (logp -
+    old) / max(sum_t m, 1)), clipped per sequence and applied to each of its tokens; meant for
+    loss_type grpo (a mean per sequence), refused for cispo. clip_ratio counts masked tokens either
+    way: a clipped sequence counts all its tokens."""
     assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) has zero gradient"
     mask = mask.to(logps.dtype)
     A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
@@ -639,7 +654,7 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
         pg = is_weight * pg                                                       # L <- sg(w) * L
     per_token = pg  # the policy-gradient term; the KL and entropy terms join it below
     norm = dict(loss_type=loss_type, max_gen_len=max_gen_len, num_items=num_items,
-                world_size=world_size, accum_steps=accum_steps)
+                world_size=world_size, accum_steps=accum_steps, step_rows=step_rows)
     stats = {}
     if beta > 0:
         # k3: KL = exp(ref - logp) - (ref - logp) - 1, added as + beta * KL
@@ -771,7 +786,7 @@ class TrainState:
     sampler_pos: int = 0
     entropy_coef: float = 0.0          # c: the adaptive coefficient (or the static alpha)
     entropy_coef_applied: float = 0.0  # alpha used in the next step's loss
-    world_entropy: float = float("nan")
+    world_entropy: float = float("nan")  # of the rows trained on (all of them when adaptive)
     skipped_steps: int = 0             # optimizer updates skipped (loss or grad norm not finite)
     bad_in_a_row: int = 0              # skips in a row the loss scale could not cure
     truncated_prompts: int = 0         # prompts left-truncated so far, all ranks
@@ -837,14 +852,11 @@ def grpo_step(args, run, rows, state):
     attention_mask = torch.cat([prompt_mask, mask], 1)
     T = completion_ids.shape[1]
 
-    # 5-6. reference and old log-probs: plain tensors, no graph (old only when mu > 1; else the
-    # loss uses logps.detach())
-    lp_kw = dict(chunk_size=args.logp_chunk_size, with_entropy=False, **scored_distribution(args))
-    with torch.no_grad(), autocast(args, device):
-        ref_logps = (completion_logps(run.ref_model, input_ids, attention_mask, T, **lp_kw)[0]
-                     if run.ref_model is not None else None)
-        old_logps = (completion_logps(run.model, input_ids, attention_mask, T, **lp_kw)[0]
-                     if args.num_iterations > 1 else None)
+    # the rows to train on: all, or those whose advantage is not 0 (where skipping is exact)
+    kept = rows_to_train(args, run, advantages)                                   # [kept]
+    # 5-6. reference and old log-probs of those rows: plain tensors, no graph (old only when
+    # mu > 1; else the loss uses logps.detach())
+    ref_logps, old_logps = reference_and_old_logps(run, args, input_ids, attention_mask, T, kept)
     num_items = world_sum(mask.sum().item(), device=device)[0]   # N: masked tokens, all ranks
 
     # 7-13. mu updates per rollout, each: current log-probs through the wrapper (7), the per-token
@@ -852,7 +864,7 @@ def grpo_step(args, run, rows, state):
     # backward, clip, AdamW (13)
     batch = dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
                  advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
-                 sampler_logps=sampler_logps, num_items=num_items)
+                 sampler_logps=sampler_logps, num_items=num_items, kept=kept)
     for it in range(args.num_iterations):
         # entropy: logged from the first update (the policy that sampled), or the bonus uses it
         with_entropy = it == 0 or state.entropy_coef_applied != 0.0
@@ -862,8 +874,9 @@ def grpo_step(args, run, rows, state):
         grad_norm = clipped_optimizer_step(run, args.grad_clip, sums["loss"], state)
 
     # after the update: step 11's rule sets the next step's alpha from one world entropy (a sum
-    # and a count, of the policy that sampled), so every rank holds the same c
-    state.world_entropy = world_mean(first["entropy_sum"], mask.sum().item(), device=device)
+    # and a count, of the policy that sampled, over the rows trained: all of them when adaptive),
+    # so every rank holds the same c
+    state.world_entropy = world_mean(first["entropy_sum"], first["tokens"], device=device)
     coef_used = state.entropy_coef_applied
     if args.use_adaptive_entropy:
         state.entropy_coef, state.entropy_coef_applied = update_entropy_coef(
@@ -891,21 +904,64 @@ def scored_distribution(args):
                 top_p=args.top_p if replay else 1.0)
 
 
+def rows_to_train(args, run, advantages):
+    """The rows whose forward and backward can change the update: indices [kept]. With beta = 0 and
+    no entropy bonus, a row with A = 0 adds exactly 0 to the gradient under every normalization
+    that keeps its divisor (README: Work without a gradient), so it is skipped
+    (--skip_zero_advantage_rows 1). All rows are kept where it does add something: the KL
+    (beta > 0), an entropy bonus (its adaptive coefficient also needs every row's entropy), the MoE
+    router loss, and under bnpo, whose divisor is each micro-batch's own tokens."""
+    exact = (args.beta == 0 and args.entropy_coef == 0 and not args.use_adaptive_entropy
+             and not is_moe(run.model) and args.loss_type != "bnpo")
+    if not (args.skip_zero_advantage_rows and exact):
+        return torch.arange(len(advantages), device=advantages.device)
+    return (advantages != 0).nonzero().squeeze(1)  # a NaN advantage is kept: the step sees it
+
+
+def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept):
+    """Steps 5-6: reference (beta > 0) and old (mu > 1) log-probs of the kept rows, without a graph:
+    [rows, T], 0 on rows not trained (never read), or None. Under FSDP the policy's forward
+    gathers every layer (a collective): while any rank keeps a row, one that keeps none scores a
+    stand-in row."""
+    out, kw = [], dict(chunk_size=args.logp_chunk_size, with_entropy=False,
+                       **scored_distribution(args))
+    for model, wanted in ((run.ref_model, run.ref_model is not None),
+                          (run.model, args.num_iterations > 1)):
+        logps, idx = None, kept
+        if wanted and is_fsdp(model) and world_max(len(kept), device=run.device)[0] > 0:
+            idx = kept if len(kept) else kept.new_zeros(1)                        # a stand-in row
+        if wanted:
+            logps = torch.zeros(input_ids.shape[0], T, device=input_ids.device)
+        if wanted and len(idx):
+            with torch.no_grad(), autocast(args, input_ids.device):
+                lp = completion_logps(model, input_ids[idx], attention_mask[idx], T, **kw)[0]
+            logps[kept] = lp[:len(kept)]
+        out.append(logps)
+    return out
+
+
 def accumulate_gradients(run, batch, args, entropy_coef, with_entropy=True):
-    """Steps 7-12 over S micro-batches: current log-probs through `run.model` (the DDP wrapper),
-    the loss, backward. Gradients add up over micro-batches; DDP all-reduces on the last only."""
+    """Steps 7-12 over S micro-batches of the kept rows (batch["kept"], default all): current
+    log-probs through `run.model` (the DDP wrapper), the loss, backward. Gradients add up over
+    micro-batches; DDP all-reduces on the last only. The divisors are the whole step's: its rows,
+    its tokens."""
     model, world = run.model, run.world
-    rows, width = batch["input_ids"].shape
-    # a world decision: every rank runs the same number of micro-steps (FSDP gathers in each)
-    widest = world_max(width, device=batch["input_ids"].device)[0]
+    rows, width = batch["input_ids"].shape                    # this rank's rows, kept or not
+    kept = batch.get("kept", torch.arange(rows, device=batch["input_ids"].device))  # [kept]
+    # world decisions: every rank runs the same number of micro-steps (DDP all-reduces in the last,
+    # FSDP gathers in each), as many as the rank that keeps the most rows needs; 0: no rank keeps
+    # one, and no rank runs a forward or a backward
+    widest, most_kept = world_max(width, len(kept), device=batch["input_ids"].device)
     micro = args.micro_batch_size or auto_micro_batch(rows, widest, args)
-    S = rows // micro                                                 # accumulation micro-steps
+    S = math.ceil(most_kept / micro)                                  # accumulation micro-steps
     T = batch["mask"].shape[1]
     sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
-            "entropy_sum": 0.0}
-    gaps = []                                     # old logp - sampler logp, per micro-batch
+            "entropy_sum": 0.0, "tokens": 0.0, "rows": len(kept)}
+    gaps, masks = [batch["sampler_logps"][:0]], [batch["mask"][:0]]  # old - sampler logp, masks
     for m in range(S):
-        sl = slice(m * micro, (m + 1) * micro)
+        idx = kept[m * micro:(m + 1) * micro]
+        stand_in = len(idx) == 0  # this rank is out of rows: one row, whose loss is 0 x logp
+        idx = kept.new_zeros(1) if stand_in else idx
         if isinstance(model, DDP):
             model.require_backward_grad_sync = m == S - 1
         elif is_fsdp(model):  # FSDP: accumulate unsharded gradients, reduce-scatter on the last
@@ -914,37 +970,45 @@ def accumulate_gradients(run, batch, args, entropy_coef, with_entropy=True):
         # if a bonus uses it
         with autocast(args, batch["input_ids"].device):
             logps, entropy, aux = completion_logps(
-                model, batch["input_ids"][sl], batch["attention_mask"][sl], T,
+                model, batch["input_ids"][idx], batch["attention_mask"][idx], T,
                 chunk_size=args.logp_chunk_size, entropy_grad=entropy_coef != 0.0,
                 entropy_chunk_size=args.entropy_chunk_size, with_entropy=with_entropy,
                 **scored_distribution(args))
+        if stand_in:  # the backward (and DDP's all-reduce) still runs, adding exactly 0
+            run.scaler.scale(0.0 * logps.sum()).backward()
+            continue
         # on-policy old = logp.detach(): the ratio is 1 in value, its gradient dlogp (never
         # exp(x - x) with both sides in the graph: its gradient is 0)
-        old = batch["old_logps"][sl] if batch["old_logps"] is not None else logps.detach()
-        ref = batch["ref_logps"][sl] if batch["ref_logps"] is not None else None
+        old = batch["old_logps"][idx] if batch["old_logps"] is not None else logps.detach()
+        ref = batch["ref_logps"][idx] if batch["ref_logps"] is not None else None
         # the sampler's log-prob against the trainer's at the weights that sampled (old):
         # rho = exp(old - sampler)
-        mask = batch["mask"][sl]
-        gaps.append(torch.where(mask.bool(), old - batch["sampler_logps"][sl], 0.0))  # [micro, T]
-        rho = torch.exp(gaps[-1])
-        # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
+        mask = batch["mask"][idx]
+        gaps.append(torch.where(mask.bool(), old - batch["sampler_logps"][idx], 0.0))
+        masks.append(mask)
+        # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type with
+        # the step's divisors (grpo, dr_grpo: its rows; dapo, cispo: its tokens N)
         loss, stats = grpo_loss(
-            logps, old, batch["advantages"][sl], mask, loss_type=args.loss_type,
+            logps, old, batch["advantages"][idx], mask, loss_type=args.loss_type,
             epsilon=args.epsilon, epsilon_high=args.epsilon_high, ref_logps=ref, beta=args.beta,
             max_gen_len=args.max_gen_len, num_items=batch["num_items"], world_size=world,
-            entropy=entropy, entropy_coef=entropy_coef, accum_steps=S,
-            is_weight=importance_weights(rho, args.is_correction, args.is_cap),
+            entropy=entropy, entropy_coef=entropy_coef, accum_steps=S, step_rows=rows,
+            is_weight=importance_weights(torch.exp(gaps[-1]), args.is_correction, args.is_cap),
             importance_sampling_level=args.importance_sampling_level)
         if aux is not None:  # 12. MoE router load-balancing loss, times the config's coefficient
             loss = loss + unwrap(model).config.router_aux_loss_coef * aux / S
             sums["aux"] += aux.item() / S
         run.scaler.scale(loss).backward()  # fp16: loss x scale, so small gradients do not flush
-        sums["loss"] += loss.item()
-        sums["policy_loss"] += stats["policy_loss"].item()
-        sums["kl_sum"] += stats.get("kl_sum", torch.tensor(0.0)).item()
-        sums["clip"] += stats["clip_ratio"].item() / S
-        sums["entropy_sum"] += (entropy.detach() * mask).sum().item()
-    sums["gap"] = torch.cat(gaps)                                                # [rows, T]
+        tokens = mask.sum().item()
+        for k, v in (("loss", loss.detach()), ("policy_loss", stats["policy_loss"]),
+                     ("tokens", tokens), ("kl_sum", stats.get("kl_sum", 0.0)),
+                     ("clip", stats["clip_ratio"] * tokens),
+                     ("entropy_sum", (entropy.detach() * mask).sum())):
+            sums[k] += float(v)
+    if S == 0:  # AdamW steps as it would after backward on rows with A = 0: on zero gradients
+        for p in unwrap(model).parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+    sums["gap"], sums["gap_mask"] = torch.cat(gaps), torch.cat(masks)        # [trained rows, T]
     return sums
 
 
@@ -959,14 +1023,18 @@ def auto_micro_batch(rows, width, args):
 
 def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, prompts_cut, G,
                  num_items):
-    """The step's record: world values (sums and counts over ranks, or the world's min and max)."""
+    """The step's record: world values (sums and counts over ranks, or the world's min and max).
+    entropy, clip_ratio and the sampler mismatch cover the rows trained on (rows_trained, all
+    ranks; all rows unless zero-advantage rows are skipped); a step that trains none leaves them
+    out."""
     world, device = run.world, run.device
-    zero_std = (rewards.view(-1, G).std(1) == 0).float().mean()
-    (r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux,
-     cut) = world_sum(rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(),
-                      mask.sum(1).float().mean(), truncated.float().mean(), zero_std,
-                      sums["loss"], sums["policy_loss"], sums["kl_sum"], sums["clip"],
-                      sums["aux"], prompts_cut, device=device)
+    grouped = rewards.view(-1, G)
+    zero_std = (grouped.amax(1) == grouped.amin(1)).float().mean()  # groups whose rewards all tie
+    (r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut, trained,
+     tokens) = world_sum(rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(),
+                         mask.sum(1).float().mean(), truncated.float().mean(), zero_std,
+                         sums["loss"], sums["policy_loss"], sums["kl_sum"], sums["clip"],
+                         sums["aux"], prompts_cut, sums["rows"], sums["tokens"], device=device)
     state.truncated_prompts += int(cut)
     n = max(num_items, 1.0)
     record = {"reward": r_mean / world,
@@ -975,12 +1043,16 @@ def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, 
               "loss": loss / world, "policy_loss": pl / world,
               "kl": kl / n,  # a masked mean over all tokens of all ranks
               "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
-              "clip_ratio": clip / world, "completion_len": c_len / world,
-              "truncated_frac": trunc / world,
-              # the policy that sampled against the sampler, per masked token
-              **sampler_mismatch(first["gap"], mask, device),
+              "clip_ratio": clip / max(tokens, 1.0), "completion_len": c_len / world,
+              "truncated_frac": trunc / world, "rows_trained": int(trained),
+              # the policy that sampled against the sampler, per masked token trained on
+              **sampler_mismatch(first["gap"], first["gap_mask"], device),
               "skipped_steps": state.skipped_steps, "skipped_steps_in_a_row": state.bad_in_a_row,
               "truncated_prompts": state.truncated_prompts}
+    if trained == 0:  # no row trained: no entropy, clipping or mismatch was measured
+        for k in ("entropy", "clip_ratio", "sampler_logp_diff_mean", "sampler_logp_diff_max",
+                  "is_ratio_min", "is_ratio_mean", "is_ratio_max"):
+            del record[k]
     if is_moe(run.model):
         record["aux_loss"] = aux / world
     return record
@@ -1029,7 +1101,7 @@ def train(args, rank, world, device):
 
     # --- the loop: prompts, one GRPO step, schedule, evaluate, log, save ---
     model.train()
-    warned_cut = False
+    warned_cut, rows_per_step = False, args.batch_size * args.num_generations * world
     bar = tqdm(range(state.step + 1, args.max_steps + 1), initial=state.step, total=args.max_steps,
                disable=not master, desc="grpo")
     for step in bar:
@@ -1055,7 +1127,8 @@ def train(args, rank, world, device):
         log_metrics(metrics_path, record, rank, report)
         bar.set_postfix(reward=f"{record['reward']:.3f}", eval=record.get(eval_key, ""),
                         gen=f"{record['generate_share']:.0%}", mem=f"{record['peak_mem_gib']:.1f}G",
-                        is_max=f"{record['is_ratio_max']:.3f}")
+                        is_max=f"{record.get('is_ratio_max', math.nan):.3f}",
+                        rows=f"{record['rows_trained']}/{rows_per_step}")
         stopping = args.stop_after and step >= args.stop_after
         periodic = args.save_interval and step % args.save_interval == 0
         if periodic or step == args.max_steps or stopping:

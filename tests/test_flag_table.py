@@ -144,7 +144,8 @@ FLAGS = {
     # rollout
     "num_generations": [step(2, lambda d, f: f.tokens.shape[0] == 2 * 2 and d.tokens.shape[0] == 2 * 4)],
     "batch_size": [step(1, lambda d, f: f.tokens.shape[0] == 1 * 4)],
-    "micro_batch_size": [step(4, lambda d, f: len(f.calls["lm_logits"]) == 2 * len(d.calls["lm_logits"]))],
+    "micro_batch_size": [step(4, lambda d, f: len(f.calls["lm_logits"]) == 2 * len(d.calls["lm_logits"]),
+                              skip_zero_advantage_rows=0)],  # every row trained: 2 micro-steps, not 1
     "micro_batch_tokens": [elsewhere("test_user_paths.py::test_auto_micro_batch_is_one_decision_for_all_ranks")],
     "max_prompt_len": [step(3, lambda d, f: f.record["truncated_prompts"] == 2 and d.record["truncated_prompts"] == 0)],
     "max_gen_len": [step(3, lambda d, f: tokens_shape(f) == 3 and tokens_shape(d) == 6)],
@@ -196,6 +197,10 @@ FLAGS = {
     "lr_scheduler": [step("cosine", lambda d, f: f.record["lr_next"] < d.record["lr_next"], max_steps=2)],
     "warmup_steps": [step(3, lambda d, f: f.record["lr_now"] == pytest.approx(BASE["learning_rate"] / 4)
                           and update_differs(d, f))],
+    # every reward 0: every group ties; on (the default) no row is trained, off all 8 are
+    "skip_zero_advantage_rows": [step(0, lambda d, f: d.record["rows_trained"] == 0 == len(d.calls["lm_logits"])
+                                      and f.record["rows_trained"] == 8 and len(f.calls["lm_logits"]) > 0,
+                                      reward_weights="0")],
     "grad_clip": [step(1e-3, lambda d, f: f.applied_grad_norm == pytest.approx(1e-3, rel=1e-4)
                        and d.applied_grad_norm > 1e-2)],
     "gradient_checkpointing": [step(1, lambda d, f: f.checkpointing and not d.checkpointing)],
@@ -319,6 +324,7 @@ def test_progress_bar_shows_reward_eval_generate_share_memory_and_the_ratio(tmp_
     assert f"reward={row['reward']:.3f}" in last and shown_eval == pytest.approx(row["eval_accuracy"], abs=5e-3)
     assert f"gen={row['generate_share']:.0%}" in last and f"mem={row['peak_mem_gib']:.1f}G" in last
     assert f"is_max={row['is_ratio_max']:.3f}" in last                     # the sampler/trainer ratio
+    assert f"rows={row['rows_trained']}/8" in last                         # rows trained of the step's
     for metric in ("sampler_logp_diff_mean", "sampler_logp_diff_max", "is_ratio_min", "is_ratio_mean",
                    "is_ratio_max"):                                       # in every step's record
         assert math.isfinite(row[metric]), metric

@@ -25,15 +25,25 @@ def full_forward(model, prompt_ids, prompt_mask, comp, mask):
     return model(ids, attention_mask=attn, position_ids=pos).logits[:, -comp.shape[1] - 1:-1].double()
 
 
-def test_logged_entropy_is_that_of_the_sampling_distribution(tmp_path, monkeypatch):
+@pytest.mark.parametrize("skip", [0, 1])
+def test_logged_entropy_is_that_of_the_sampling_distribution(tmp_path, monkeypatch, skip):
     rollouts = []
-    rows = logged(tmp_path, "--max_steps", "1", "--temperature", "0.7", monkeypatch=monkeypatch, capture=rollouts)
+    rows = logged(tmp_path, "--max_steps", "1", "--temperature", "0.7", "--skip_zero_advantage_rows", str(skip),
+                  monkeypatch=monkeypatch, capture=rollouts)
     (args, (comp, mask, *_)), = rollouts
-    model, _ = tiny()                                   # the trainer's initial weights (same seed, same config)
+    model, tok = tiny()                                 # the trainer's initial weights (same seed, same config)
     with torch.no_grad():
         logp = torch.log_softmax(full_forward(model, args[1], args[2], comp, mask) / 0.7, -1)
     entropy = -(logp.exp() * logp).sum(-1)                                        # [rows, T] at temperature 0.7
-    want = (entropy * mask).sum() / mask.sum()
+    # skipping: over the rows trained on, those whose advantage is not 0 (a group whose rewards all tie)
+    prompts = tok.batch_decode(args[1], skip_special_tokens=True)
+    texts = [tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(comp, mask)]
+    rewards = torch.tensor([tg.reverse_reward(t, p[:-1][::-1]) for t, p in zip(texts, prompts)])
+    grouped = rewards.view(-1, 4)
+    trained = (grouped.amax(1) != grouped.amin(1)).repeat_interleave(4) if skip else torch.ones(len(texts))
+    assert rows[0]["rows_trained"] == trained.sum() > 0 and (not skip or trained.sum() < len(texts))
+    m = mask * trained[:, None]
+    want = (entropy * m).sum() / m.sum()
     assert rows[0]["entropy"] == pytest.approx(want.item(), rel=1e-5)
 
 
