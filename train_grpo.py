@@ -466,7 +466,7 @@ class Fp32Linear(torch.nn.Linear):
 
 def cast_lm_head_to_fp32(model):
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
+    if type(head) is not torch.nn.Linear:  # a subclass's own forward would be lost
         raise TrainerError(f"--cast_lm_head_to_fp32: {type(model).__name__}'s lm_head is a "
                            f"{type(head).__name__}, not a torch.nn.Linear")
     head.__class__ = Fp32Linear  # the same module and parameters, an fp32 forward
@@ -1243,6 +1243,9 @@ def check_args(args):
         (a.importance_sampling_level == "token" or a.loss_type != "cispo",
          "--importance_sampling_level sequence is GSPO's clipped ratio; cispo's weight is per "
          "token (as in TRL): use --loss_type grpo"),
+        (a.importance_sampling_level == "token" or a.is_correction == "none",
+         "--importance_sampling_level sequence with --is_correction: a token's weight would not "
+         "stop its gradient, which reaches it through the sequence's ratio; use one or the other"),
         (not (a.cast_lm_head_to_fp32 and a.fsdp),
          "--cast_lm_head_to_fp32 1 with --fsdp 1: FSDP gathers the lm_head in --dtype, so it "
          "would not be an fp32 head; use DDP (--fsdp 0)"),
@@ -1477,6 +1480,11 @@ def load_reward_funcs(spec):
             fn = getattr(module, name, None)
             if not callable(fn):
                 raise TrainerError(f"--reward_funcs {item}: {path} has no function {name!r}")
+        extras = set(inspect.signature(fn).parameters) & {"trainer_state", "log_metric",
+                                                           "log_extra"}
+        if extras:
+            raise TrainerError(f"--reward_funcs {item}: {name} takes {', '.join(sorted(extras))}, "
+                               "which TRL 1.x passes and this trainer does not")
         fns.append(fn)
     return fns
 
@@ -1601,8 +1609,8 @@ def answer_from(fn, field):
 
 def load_task(args, tokenizer, world):
     """Train rows, eval rows (dicts: 'prompt', the rendered text, plus every column of the dataset),
-    reward functions, their weights, and the held-out score: its name and score(completion, row) ->
-    float."""
+    reward functions, their weights, and the held-out score: its name and score(texts, rows,
+    completion_ids) -> a number per completion."""
     if not args.dataset:
         train_rows, eval_rows = make_reverse_task(args.eval_size)
         is_correct = reverse_correct
@@ -1628,11 +1636,11 @@ def load_task(args, tokenizer, world):
                            f"batch_size * ranks = {args.batch_size * world}")
     # your rewards: the held-out score is their weighted sum on greedy completions
     if args.reward_funcs:
-        def score(text, row):  # one greedy completion at a time (a batch of one)
-            ids = [tokenizer(text, add_special_tokens=False).input_ids]
-            return compute_rewards(reward_fns, weights, [text], [row], ids)[0].item()
+        def score(texts, rows, ids):  # a batched function sees an eval batch (groups of one)
+            return compute_rewards(reward_fns, weights, texts, rows, ids).tolist()
         return train_rows, eval_rows, reward_fns, weights, ("eval_reward", score)
-    score = lambda text, row: float(is_correct(text, row[answer_key]))
+    score = lambda texts, rows, ids: [float(is_correct(t, r[answer_key]))
+                                      for t, r in zip(texts, rows)]
     return train_rows, eval_rows, reward_fns, weights, ("eval_accuracy", score)
 
 
@@ -2141,7 +2149,8 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
 # --------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=256):
-    """Mean of score(greedy completion, row) over the held-out rows, all ranks together."""
+    """Mean over the held-out rows, all ranks together, of score(texts, rows, completion_ids): one
+    number per greedy completion of an eval batch."""
     mine = eval_rows[rank::world]
     correct = 0.0
     # a world decision: every rank runs as many rollouts as the busiest one (under FSDP each rollout
@@ -2156,7 +2165,8 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
             comp, mask, *_ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len,
                                      do_sample=False, static_cache=use_static_cache(args, device))
         texts = decode_completions(tokenizer, comp, mask)
-        correct += sum(score(t, r) for t, r in zip(texts, rows))
+        if rows:  # the ids as generated, EOS included (what the rewards get in training)
+            correct += sum(score(texts, rows, [c[m.bool()].tolist() for c, m in zip(comp, mask)]))
     c, n = world_sum(correct, len(mine), device=device)
     return c / max(n, 1)
 

@@ -30,7 +30,8 @@ def main():
     model, tok = tg.load_model_and_tokenizer(args, torch.device("cpu"))
     train_rows, eval_rows = tg.make_compare_task(args.eval_size)
     held_out = [{**r, "prompt": tg.render_prompt(tok, r, args)} for r in eval_rows]
-    score = lambda text, row: tg.compare_correct_reward(text, row["answer"])  # noqa: E731
+    score = lambda texts, rows, ids: [tg.compare_correct_reward(t, r["answer"])  # noqa: E731
+                                      for t, r in zip(texts, rows)]
 
     def accuracy():
         return tg.evaluate(model, tok, held_out, score, args, 0, 1, torch.device("cpu"))

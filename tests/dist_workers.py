@@ -170,9 +170,9 @@ def eval_uneven(rank, world, out_dir):
     rows = [{"prompt": "abc=", "answer": "cba", "i": i} for i in range(5)]
     scored = []
 
-    def score(text, row):
-        scored.append(row["i"])
-        return float(row["i"])
+    def score(texts, rows, ids):
+        scored.extend(r["i"] for r in rows)
+        return [float(r["i"]) for r in rows]
     acc = tg.evaluate(model, tok, rows, score, tg.Args(max_gen_len=2), rank, world, "cpu", batch=2)
     gathered = [None, None]
     dist.all_gather_object(gathered, scored)

@@ -124,13 +124,14 @@ def test_trl_rewards_on_a_conversational_dataset_get_what_trl_gives(tmp_path, mo
         assert reward == pytest.approx(sum(hand) / len(hand))
 
 
-def test_held_out_score_calls_a_batched_reward_on_one_completion(tmp_path):
+def test_held_out_score_calls_a_batched_reward_on_the_eval_batch(tmp_path):
     (tmp_path / "r.py").write_text("def reward_len(completions, **kwargs):\n"
                                    "    return [-abs(20 - len(completion)) for completion in completions]\n")
     args = tg.parse_args(["--reward_funcs", f"{tmp_path / 'r.py'}:reward_len", "--eval_size", "16"])
     tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
     *_, (key, score) = tg.load_task(args, tok, 1)
-    assert key == "eval_reward" and score("abcde", {"prompt": "edcba=", "answer": "abcde"}) == -15.0
+    rows = [{"prompt": "edcba=", "answer": "abcde"}, {"prompt": "ab=", "answer": "ba"}]
+    assert key == "eval_reward" and score(["abcde", "ba"], rows, [[3, 4, 5, 6, 7, 1], [4, 3, 1]]) == [-15.0, -18.0]
 
 
 # ---- 2. GSPO: one ratio per sequence ----
@@ -213,3 +214,12 @@ def test_fp32_head_reduces_the_bf16_sampler_mismatch_and_refuses_fsdp():
     assert fp32["sampler_logp_diff_mean"] < plain["sampler_logp_diff_mean"]
     problems = list(tg.check_args(tg.Args(fsdp=1, cast_lm_head_to_fp32=1)))
     assert len(problems) == 1 and "--cast_lm_head_to_fp32" in problems[0] and "--fsdp" in problems[0]
+
+
+def test_what_this_trainer_does_not_pass_is_refused_before_any_work(tmp_path):
+    (tmp_path / "r.py").write_text("def curriculum(completions, trainer_state, **kwargs):\n"
+                                   "    return [float(trainer_state.global_step) for _ in completions]\n")
+    with pytest.raises(tg.TrainerError, match="takes trainer_state, which TRL 1.x passes and this trainer does not"):
+        tg.load_reward_funcs(f"{tmp_path / 'r.py'}:curriculum")
+    problems = list(tg.check_args(tg.Args(importance_sampling_level="sequence", is_correction="mis")))
+    assert len(problems) == 1 and "--importance_sampling_level sequence with --is_correction" in problems[0]
