@@ -683,7 +683,7 @@ def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_ma
 def world_mean(local_sum, local_count, device="cpu"):
     # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of rank means
     total, count = world_sum(local_sum, local_count, device=device)
-    return total / max(count, 1.0)
+    return total / count if count else float("nan")  # nan: nothing was measured
 
 
 def world_std(values, device="cpu"):
@@ -853,7 +853,7 @@ def grpo_step(args, run, rows, state):
     T = completion_ids.shape[1]
 
     # the rows to train on: all, or those whose advantage is not 0 (where skipping is exact)
-    kept = rows_to_train(args, run, advantages)                                   # [kept]
+    kept = rows_to_train(args, run, advantages, mask, state.entropy_coef_applied)  # [kept]
     # 5-6. reference and old log-probs of those rows: plain tensors, no graph (old only when
     # mu > 1; else the loss uses logps.detach())
     ref_logps, old_logps = reference_and_old_logps(run, args, input_ids, attention_mask, T, kept)
@@ -904,18 +904,20 @@ def scored_distribution(args):
                 top_p=args.top_p if replay else 1.0)
 
 
-def rows_to_train(args, run, advantages):
+def rows_to_train(args, run, advantages, mask, alpha):
     """The rows whose forward and backward can change the update: indices [kept]. With beta = 0 and
-    no entropy bonus, a row with A = 0 adds exactly 0 to the gradient under every normalization
-    that keeps its divisor (README: Work without a gradient), so it is skipped
-    (--skip_zero_advantage_rows 1). All rows are kept where it does add something: the KL
-    (beta > 0), an entropy bonus (its adaptive coefficient also needs every row's entropy), the MoE
-    router loss, and under bnpo, whose divisor is each micro-batch's own tokens."""
-    exact = (args.beta == 0 and args.entropy_coef == 0 and not args.use_adaptive_entropy
+    no entropy bonus, a row with A = 0, or without a masked token, adds exactly 0 to the gradient
+    under every normalization that keeps its divisor (README: Work without a gradient), so it is
+    skipped (--skip_zero_advantage_rows 1). All rows are kept where it does add something: the KL
+    (beta > 0), an entropy bonus (alpha, the one this step applies; an adaptive coefficient also
+    needs every row's entropy), the MoE router loss, and under bnpo, whose divisor is each
+    micro-batch's own tokens."""
+    exact = (args.beta == 0 and alpha == 0 and not args.use_adaptive_entropy
              and not is_moe(run.model) and args.loss_type != "bnpo")
     if not (args.skip_zero_advantage_rows and exact):
         return torch.arange(len(advantages), device=advantages.device)
-    return (advantages != 0).nonzero().squeeze(1)  # a NaN advantage is kept: the step sees it
+    # a NaN advantage is kept: the step sees it
+    return ((advantages != 0) & (mask.sum(1) > 0)).nonzero().squeeze(1)
 
 
 def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept):
@@ -1049,7 +1051,7 @@ def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, 
               **sampler_mismatch(first["gap"], first["gap_mask"], device),
               "skipped_steps": state.skipped_steps, "skipped_steps_in_a_row": state.bad_in_a_row,
               "truncated_prompts": state.truncated_prompts}
-    if trained == 0:  # no row trained: no entropy, clipping or mismatch was measured
+    if tokens == 0:  # no token trained: no entropy, clipping or mismatch was measured
         for k in ("entropy", "clip_ratio", "sampler_logp_diff_mean", "sampler_logp_diff_max",
                   "is_ratio_min", "is_ratio_mean", "is_ratio_max"):
             del record[k]

@@ -1,6 +1,7 @@
 """No work without a gradient (#26): rows whose advantage is 0 skip the log-prob forwards and the backward,
 and the update is the one without skipping (README: Work without a gradient)."""
 import json
+import math
 import os
 import time
 
@@ -55,6 +56,10 @@ def assert_same_update(on, off):
     ("grpo", ()), ("dr_grpo", ()), ("dapo", ()), ("cispo", ()),
     ("grpo", ("--micro_batch_size", "4")),                       # kept rows regrouped over fewer micro-steps
     ("dr_grpo", ("--num_iterations", "2", "--micro_batch_size", "8")),   # old log-probs of the kept rows only
+    # with the other options that touch the loss: GSPO, truncated completions masked, mu = 2; tis, batch std
+    ("grpo", ("--importance_sampling_level", "sequence", "--mask_truncated_completions", "1",
+              "--num_iterations", "2", "--max_gen_len", "3")),
+    ("dapo", ("--is_correction", "mis", "--top_p", "0.9", "--sampling_replay", "0", "--scale_rewards", "batch")),
 ])
 def test_skipping_gives_the_update_without_skipping(tmp_path, loss_type, extra):
     flags = ["--loss_type", loss_type, "--max_steps", "4", *extra]
@@ -67,6 +72,8 @@ def test_skipping_gives_the_update_without_skipping(tmp_path, loss_type, extra):
     # the graph forwards held only the trained rows (each step: mu passes over them)
     mu = 2 if "--num_iterations" in extra else 1
     assert sum(on[2]) == mu * sum(trained) and sum(off[2]) == mu * rows * len(trained)
+    if "--mask_truncated_completions" in extra:  # rows without a masked token are skipped too
+        assert all(not math.isinf(r.get("is_ratio_max", 0.0)) for r in on[1])
     assert_same_update(on, off)
 
 
@@ -80,16 +87,17 @@ def test_skipping_is_off_where_a_zero_advantage_row_has_a_gradient(tmp_path):
 
 def test_a_step_where_every_group_ties_trains_nothing_and_adamw_steps_on_zero_gradients(tmp_path):
     wd, lr, steps = 0.5, 1e-2, 2
-    flags = ["--max_steps", steps, "--weight_decay", wd, "--learning_rate", lr]
+    flags = ["--max_steps", steps, "--weight_decay", wd, "--learning_rate", lr, "--warmup_steps", 1]
     on = run(tmp_path, "on", 1, *flags, reward="always_one")
     off = run(tmp_path, "off", 0, *flags, reward="always_one")
     assert on[2] == [] and len(off[2]) == steps                 # no forward with a graph at all
     assert all(r["rows_trained"] == 0 and "entropy" not in r and r["grad_norm"] == 0 for r in on[1])
-    # independent: AdamW on zero gradients moves each weight by weight decay alone, p <- p (1 - lr wd)
+    # independent: AdamW on zero gradients moves each weight by weight decay alone, p <- p (1 - lr_k wd),
+    # and the schedule advances: warm-up lr / 2, then lr
     torch.manual_seed(0)
     start = tiny(seed=0)[0].state_dict()
     for k in start:
-        want = start[k] * (1 - lr * wd) ** steps
+        want = start[k] * (1 - lr / 2 * wd) * (1 - lr * wd)
         torch.testing.assert_close(on[0][k], want, msg=k)
         torch.testing.assert_close(off[0][k], want, msg=k)
 
@@ -158,3 +166,16 @@ def test_two_ranks_where_every_group_ties_train_nothing_and_do_not_hang(tmp_path
     for k in start:  # AdamW on zero gradients: weight decay alone, on both ranks alike
         torch.testing.assert_close(out[0]["params"][k], start[k] * (1 - 1e-2 * 0.5) ** 2, msg=k)
         assert torch.equal(out[0]["params"][k], out[1]["params"][k])
+
+
+def test_the_entropy_bonus_this_step_applies_decides_not_the_flag():
+    """A resumed run carries its coefficient in the checkpoint whatever --entropy_coef now says: skipping
+    follows the alpha the loss applies."""
+    args = tg.parse_args([])
+    advantages, mask = torch.tensor([0.0, 1.0, 0.0, -1.0]), torch.ones(4, 3)
+    model, _ = tiny()
+    run = tg.Run(model, None, None, None, None, [], [])
+    assert tg.rows_to_train(args, run, advantages, mask, 0.0).tolist() == [1, 3]
+    assert tg.rows_to_train(args, run, advantages, mask, 0.05).tolist() == [0, 1, 2, 3]
+    mask[1] = 0                                                   # no masked token: nothing to train either
+    assert tg.rows_to_train(args, run, advantages, mask, 0.0).tolist() == [3]
