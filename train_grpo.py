@@ -78,8 +78,6 @@ class Args:
                          "step 9)", choices=LOSS_TYPES)
     use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint "
                        "is MoE)", choices=(0, 1))
-    rollout_engine: str = opt("torch", "how completions are sampled; only 'torch' "
-                              "(model.generate) exists")
     model_name_or_path: str = opt("", "hub name, local dir, or a .gguf file for from_pretrained; "
                                   "empty: build a tiny model")
     dataset: str = opt("", "compare_numbers (built-in task for real instruct models), gsm8k, a "
@@ -288,7 +286,7 @@ class SamplerLogps:
 
 @torch.no_grad()
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
-            temperature=1.0, top_p=1.0, top_k=0, static_cache=False, compile_config=None):
+            temperature=1.0, top_p=1.0, top_k=0, static_cache=False):
     """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T],
     truncated [rows], and the sampler's log-prob of each completion token [rows, T] (0 outside the
     mask; None if greedy).
@@ -297,7 +295,7 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     SamplerLogps, and nothing else: a checkpoint's generation_config.json (repetition_penalty,
     no_repeat_ngram_size, ...) would make the sampler draw from a distribution the loss never
     scores, so it is set aside here. static_cache: a fixed-size KV cache, whose decode step
-    transformers compiles on CUDA (compile_config overrides how). The compiled step reads the
+    transformers compiles on CUDA. The compiled step reads the
     parameters as inputs, so it sees every update."""
     from transformers import GenerationConfig, LogitsProcessorList
     # stop on, and mask after, every EOS the checkpoint declares
@@ -309,8 +307,7 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample, **off,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                               bos_token_id=tokenizer.bos_token_id,
-                              cache_implementation="static" if static_cache else None,
-                              compile_config=compile_config)
+                              cache_implementation="static" if static_cache else None)
     # the compiled decode is specialized to the cache's shape: widths in steps of 64, not 1
     if static_cache:
         pad = -input_ids.shape[1] % 64
@@ -419,13 +416,9 @@ def compute_advantages(rewards, num_generations, scale_rewards="group", batch_st
 # --------------------------------------------------------------------------------------------------
 def selective_log_softmax(logits, index):
     # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax
-    shape = index.shape
-    logits, index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1)      # [N, V], [N]
-    out = []
-    for s in range(0, logits.shape[0], 1024):
-        z = logits[s:s + 1024].float()
-        out.append(z.gather(-1, index[s:s + 1024, None]).squeeze(-1) - torch.logsumexp(z, dim=-1))
-    return torch.cat(out).view(shape)
+    # (the caller's chunk bounds the logits in bytes)
+    z = logits.float()
+    return z.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def entropy_from_logits(logits, chunk_size=128):
@@ -512,7 +505,7 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)   # as generate() computes them
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False)
-    moe, aux = hasattr(unwrap(model).config, "router_aux_loss_coef"), None
+    moe, aux = is_moe(model), None
     if torch.is_grad_enabled() or is_fsdp(model):  # FSDP: the root's forward gathers embeddings
         # logits_to_keep=1: the model's own lm_head runs on the last position only ([rows, 1, V],
         # not [rows, P+T, V]); the log-probs come from the hidden states through lm_head, below
@@ -546,7 +539,7 @@ def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
     return max(1, budget_mib * 2**20 // (vocab_size * 4))
 
 
-def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size=1024,
+def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size,
                   entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
     """hidden [rows, T, H] -> logps, entropy [rows, T], chunk_size tokens of logits at a time: the
     largest logits tensor is [chunk_size, V] however many rows there are."""
@@ -1224,8 +1217,6 @@ def check_args(args):
                     "entropy_coef_min", "entropy_target")
     rows = a.batch_size * a.num_generations
     rules = [  # (the condition that must hold, the message when it does not)
-        (a.rollout_engine == "torch",
-         f"--rollout_engine {a.rollout_engine} is not available; the only engine is 'torch'"),
         (a.num_generations >= 2,
          f"--num_generations must be >= 2 (a group of one has no baseline), got "
          f"{a.num_generations}"),
@@ -1346,9 +1337,6 @@ def reverse_reward(completion, answer):
     return hits / max(len(completion), len(answer), 1)
 
 
-def reverse_correct(completion, answer):
-    return completion == answer
-
 # GSM8K: the reference is the number after "####". The model is asked to end with the same form.
 GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer "
                        "alone on the last line as '#### <number>'.")
@@ -1400,9 +1388,6 @@ def gsm8k_format_reward(completion, answer):
     return float(re.search(r"####\s*" + _NUMBER + r"\s*$", completion.strip()) is not None)
 
 
-def gsm8k_correct(completion, answer):
-    return gsm8k_correct_reward(completion, answer) == 1.0
-
 # compare_numbers: the built-in task for a real instruct model ("--dataset compare_numbers"). A chat
 # prompt asks which of two 2-digit numbers is larger and for the number alone. SmolLM2-135M-Instruct
 # answers the question in prose or gets it wrong (greedy: ~8% correct), yet one of 8 samples is
@@ -1431,10 +1416,6 @@ def compare_correct_reward(completion, answer):
     # 0.0
     first = re.search(r"-?\d+", completion)
     return float(first is not None and int(first.group()) == int(answer))
-
-
-def compare_correct(completion, answer):
-    return compare_correct_reward(completion, answer) == 1.0
 
 
 def compare_format_reward(completion):
@@ -1615,14 +1596,15 @@ def load_task(args, tokenizer, world):
     completion_ids) -> a number per completion."""
     if not args.dataset:
         train_rows, eval_rows = make_reverse_task(args.eval_size)
-        is_correct = reverse_correct
+        is_correct = reverse_reward
     else:
         # every column reaches the rewards as the dataset has it (an int stays an int); 'prompt'
         # becomes the text the model is given (a chat prompt rendered through the template), and
         # the dataset's own prompt is kept for TRL's batched rewards
         train_rows, eval_rows = ([given_prompt({**r, "prompt": render_prompt(tokenizer, r, args)},
                                                r, args) for r in rows] for rows in load_rows(args))
-        is_correct = compare_correct if args.dataset == COMPARE_NUMBERS else gsm8k_correct
+        is_correct = (compare_correct_reward if args.dataset == COMPARE_NUMBERS
+                      else gsm8k_correct_reward)
     answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
     reward_fns, weights = task_rewards(args)
     # the task's own rewards take `answer`: hand them --answer_field's column
@@ -1641,7 +1623,8 @@ def load_task(args, tokenizer, world):
         def score(texts, rows, ids):  # a batched function sees an eval batch (groups of one)
             return compute_rewards(reward_fns, weights, texts, rows, ids).tolist()
         return train_rows, eval_rows, reward_fns, weights, ("eval_reward", score)
-    score = lambda texts, rows, ids: [float(is_correct(t, r[answer_key]))
+    # held out: the share of completions whose correctness reward is 1.0
+    score = lambda texts, rows, ids: [float(is_correct(t, r[answer_key]) == 1.0)
                                       for t, r in zip(texts, rows)]
     return train_rows, eval_rows, reward_fns, weights, ("eval_accuracy", score)
 

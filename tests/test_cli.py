@@ -42,7 +42,6 @@ def one_line_error(res):
     (["--loss_type", "ppo"], "loss_type"),
     (["--num_generations", "1"], "num_generations"),
     (["--batch_size", "0"], "batch_size"),
-    (["--rollout_engine", "vllm"], "rollout_engine"),
     (["--model_name_or_path", "someone/model", "--dataset", "no/such/file.jsonl"], "no such file"),
     (["--resume", "no/such/checkpoint"], "no such checkpoint"),
 ])
@@ -54,7 +53,7 @@ def test_bad_arguments_give_one_line(argv, words):
 def test_help_lists_every_flag():
     res = run_cli("--help")
     assert res.returncode == 0
-    for f in ["--loss_type", "--use_moe", "--rollout_engine", "--model_name_or_path", "--dataset", "--num_generations",
+    for f in ["--loss_type", "--use_moe", "--model_name_or_path", "--dataset", "--num_generations",
               "--batch_size", "--max_steps", "--learning_rate", "--beta", "--epsilon", "--epsilon_high",
               "--num_iterations", "--scale_rewards", "--mask_truncated_completions", "--temperature", "--top_p",
               "--top_k", "--max_prompt_len", "--max_gen_len", "--grad_clip", "--seed", "--save_dir",

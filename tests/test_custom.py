@@ -151,8 +151,16 @@ def test_summary_line_and_eval_size_caps_a_test_split(tmp_path, model_dir, capsy
                                   "test": datasets.Dataset.from_list(rows[8:])})   # a hub dataset's two splits
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: split)
     scored = []
-    real = tg.gsm8k_correct
-    monkeypatch.setattr(tg, "gsm8k_correct", lambda c, a: scored.append(a) or real(c, a))
+    real, real_eval, evaluating = tg.gsm8k_correct_reward, tg.evaluate, []
+
+    def evaluate(*a, **k):   # the held-out score is the correctness reward, called in evaluate
+        evaluating.append(1)
+        try:
+            return real_eval(*a, **k)
+        finally:
+            evaluating.pop()
+    monkeypatch.setattr(tg, "evaluate", evaluate)
+    monkeypatch.setattr(tg, "gsm8k_correct_reward", lambda c, a: (evaluating and scored.append(a)) or real(c, a))
     tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", "someone/gsm8k-like", "--max_steps", "2",
                     "--eval_interval", "2", "--eval_size", "5", "--save_dir", str(tmp_path)])
     assert len(scored) == 2 * 5                                   # before and after, 5 of the 24 test problems

@@ -131,7 +131,6 @@ FLAGS = {
     # what to train
     "loss_type": [step(choice, differs("loss")) for choice in ("bnpo", "dr_grpo", "dapo", "cispo")],
     "use_moe": [step(1, lambda d, f: "aux_loss" in f.record and "aux_loss" not in d.record)],  # an MoE model
-    "rollout_engine": [error("vllm", "--rollout_engine")],
     "model_name_or_path": [elsewhere("test_real_path.py::test_two_rank_run_on_saved_model_and_gsm8k_file"),
                            elsewhere("test_smollm2.py::test_gguf_run_saves_plain_folders_learns_a_step_and_resumes_bitwise")],
     "dataset": [elsewhere("test_real_path.py::test_two_rank_run_on_saved_model_and_gsm8k_file"),

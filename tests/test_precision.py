@@ -65,13 +65,20 @@ def test_static_cache_greedy_tokens_equal_the_dynamic_caches():
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_static_cache_rollout_sees_the_weights_of_the_current_step(compiled):
+def test_static_cache_rollout_sees_the_weights_of_the_current_step(compiled, monkeypatch):
+    import transformers
     from transformers import CompileConfig
     model, tok = tiny(seed=3)
-    config = None
     if compiled:  # transformers compiles the decode step on CUDA only; here force it, with dynamo's eager backend
         config = CompileConfig(backend="eager", fullgraph=False)
         config._compile_all_devices = True
+
+        class Compiled(transformers.GenerationConfig):   # rollout's config, with this compile_config
+            def __init__(self, **kw):
+                super().__init__(**kw)
+                if kw.get("cache_implementation") == "static":
+                    self.compile_config = config
+        monkeypatch.setattr(transformers, "GenerationConfig", Compiled)
     import torch._dynamo.utils as dynamo_utils
     graphs = [dynamo_utils.counters["stats"]["unique_graphs"]]
     ids, am, _ = varied_prompts(tok)
@@ -86,7 +93,7 @@ def test_static_cache_rollout_sees_the_weights_of_the_current_step(compiled):
             return out.sequences
         model.generate = generate
         torch.manual_seed(step)
-        comp, mask, *_ = tg.rollout(model, ids, am, tok, max_gen_len=6, static_cache=True, compile_config=config)
+        comp, mask, *_ = tg.rollout(model, ids, am, tok, max_gen_len=6, static_cache=True)
         del model.generate
         logps, _, _ = tg.completion_logps(model, torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp.shape[1])
         sampler = torch.log_softmax(scores["s"].float(), -1).gather(-1, comp[..., None]).squeeze(-1)
