@@ -61,6 +61,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
 
@@ -193,583 +194,21 @@ class Args:
     run_name: str = opt("", "name of the run in wandb/tensorboard; empty: the save_dir's name")
 
 
+# defaults sized for compare_numbers on a 2-core CPU (a flag given on the command line wins)
+TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, num_generations=8, max_gen_len=8,
+                                       max_prompt_len=128,
+                                       learning_rate=2e-5, max_steps=40, eval_interval=10,
+                                       eval_size=200)}
+
+
 # ==================================================================================================
-# THE ALGORITHM: rollout -> reward -> advantage -> log-probs -> loss -> update, then the loop.
+# THE ALGORITHM: the step (stages 1-14, README: The math), the helpers it calls in the order it
+# calls them, then the loop.
 # ==================================================================================================
 
 
 # --------------------------------------------------------------------------------------------------
-# Steps 1-2. Prompts and rollout: sample on the *unwrapped* policy, in eval mode, without a graph.
-# --------------------------------------------------------------------------------------------------
-def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
-    """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
-    A prompt starts with the BOS its tokenizer puts first (Llama, Gemma, Mistral: as in
-    pretraining), never twice: a chat template that writes it (Llama-3's <|begin_of_text|>) gets
-    none added; no EOS is ever added. Returns input_ids [B, P], attention_mask [B, P] and how many
-    prompts were cut."""
-    bos = tokenizer.bos_token_id
-    adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
-    ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    ids = [[bos] + x if adds_bos and x[:1] != [bos] else x for x in ids]
-    n_cut = sum(len(x) > max_prompt_len for x in ids)
-    ids = [x[-max_prompt_len:] for x in ids]
-    width = max(len(x) for x in ids)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
-    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids],
-                                  device=device)
-    return input_ids, attention_mask, n_cut
-
-
-def eos_token_ids(model, tokenizer):
-    """Every id that ends a completion: the tokenizer's EOS and those the checkpoint's generation
-    config declares (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama-3-Instruct: three
-    ids)."""
-    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    declared = declared if isinstance(declared, (list, tuple)) else [declared]
-    return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
-
-
-def completion_mask(completion_ids, eos_token_id):
-    # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after;
-    # eos_token_id: one id or a list (any of them ends the completion)
-    eos = torch.as_tensor(eos_token_id, device=completion_ids.device)
-    is_eos = torch.isin(completion_ids, eos)                                      # [rows, T]
-    T = completion_ids.shape[1]
-    never = torch.full_like(is_eos[:, 0], T, dtype=torch.long)
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)
-    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
-    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)  # mask [rows, T], truncated
-
-
-def truncate_logits(z, top_k=0, top_p=1.0, keep=None):
-    """Top-k, then top-p, as generate applies them (its order, its ties): dropped tokens get -inf,
-    so a softmax renormalizes over the kept set. keep [N]: a token id per row that stays whatever
-    (the sampled one). z: [N, V] logits already divided by the temperature."""
-    if top_k <= 0 and top_p >= 1.0:
-        return z
-    drop = torch.zeros_like(z, dtype=torch.bool)                                  # [N, V]
-    if top_k > 0:  # keep the k largest (and any tied with the k-th)
-        drop |= z < torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
-    # drop the least likely tokens while their total mass is <= 1 - top_p; the likeliest stays
-    if top_p < 1.0:
-        sorted_z, order = torch.sort(z.masked_fill(drop, float("-inf")), dim=-1)  # ascending
-        sorted_drop = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
-        sorted_drop[:, -1] = False
-        drop |= sorted_drop.scatter(-1, order, sorted_drop)
-    if keep is not None:
-        drop.scatter_(-1, keep.reshape(-1, 1), False)
-    return z.masked_fill(drop, float("-inf"))
-
-
-class SamplerLogps:
-    """A logits processor for generate: it applies the sampling distribution itself (temperature,
-    top-k, top-p: generate's own are switched off) and keeps, for each sampled token, its log-prob
-    under that distribution. One [rows, V] step at a time: when generate asks for step t+1's scores,
-    its input ends with the token it drew at step t, which is gathered from step t's log-softmax;
-    finish() does the last token."""
-    def __init__(self, temperature=1.0, top_k=0, top_p=1.0):
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.previous, self.logps = None, []
-
-    def __call__(self, input_ids, scores):                                       # scores [rows, V]
-        if self.previous is not None:
-            self.logps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        scores = truncate_logits(scores.float() / self.temperature, self.top_k, self.top_p)
-        self.previous = torch.log_softmax(scores, dim=-1)
-        return scores
-
-    def finish(self, completion_ids):                                             # -> [rows, T]
-        last = self.previous.gather(-1, completion_ids[:, -1:]).squeeze(-1)
-        return torch.stack(self.logps + [last], dim=1)
-
-
-@torch.no_grad()
-def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
-            temperature=1.0, top_p=1.0, top_k=0, static_cache=False):
-    """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T],
-    truncated [rows], and the sampler's log-prob of each completion token [rows, T] (0 outside the
-    mask; None if greedy).
-
-    The sampling distribution is truncate_logits(z / temperature, top_k, top_p), applied by
-    SamplerLogps, and nothing else: a checkpoint's generation_config.json (repetition_penalty,
-    no_repeat_ngram_size, ...) would make the sampler draw from a distribution the loss never
-    scores, so it is set aside here. static_cache: a fixed-size KV cache, whose decode step
-    transformers compiles on CUDA. The compiled step reads the
-    parameters as inputs, so it sees every update."""
-    from transformers import GenerationConfig, LogitsProcessorList
-    # stop on, and mask after, every EOS the checkpoint declares
-    eos = eos_token_ids(policy, tokenizer)
-    sampler = SamplerLogps(temperature, top_k, top_p) if do_sample else None
-    # generate's own temperature/top-k/top-p off (SamplerLogps applies them; top_k 0, not the
-    # library's default 50); greedy sets none (transformers warns of sampling flags when greedy)
-    off = dict(temperature=1.0, top_p=1.0, top_k=0) if do_sample else {}
-    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample, **off,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-                              bos_token_id=tokenizer.bos_token_id,
-                              cache_implementation="static" if static_cache else None)
-    # the compiled decode is specialized to the cache's shape: widths in steps of 64, not 1
-    if static_cache:
-        pad = -input_ids.shape[1] % 64
-        input_ids = torch.nn.functional.pad(input_ids, (pad, 0), value=tokenizer.pad_token_id)
-        attention_mask = torch.nn.functional.pad(attention_mask, (pad, 0), value=0)
-    was_training, checkpoint_config = policy.training, policy.generation_config
-    policy.eval()
-    # generate() fills unset fields from this: library defaults only
-    policy.generation_config = GenerationConfig()
-    try:
-        with gathered(policy):
-            processors = LogitsProcessorList([sampler] if sampler else [])
-            out = policy.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                  generation_config=config, logits_processor=processors)
-    finally:
-        policy.generation_config = checkpoint_config
-        policy.train(was_training)
-    completion_ids = out[:, input_ids.shape[1]:]                                  # [rows, T]
-    mask, truncated = completion_mask(completion_ids, eos)
-    sampler_logps = None
-    # after EOS generate writes pads, which the truncation may have dropped (-inf)
-    if sampler is not None:
-        sampler_logps = torch.where(mask.bool(), sampler.finish(completion_ids), 0.0)
-    return completion_ids, mask, truncated, sampler_logps
-
-
-def decode_completions(tokenizer, completion_ids, mask):
-    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
-            for ids, m in zip(completion_ids, mask)]
-
-
-# --------------------------------------------------------------------------------------------------
-# Steps 3-4. Rewards and advantages
-# --------------------------------------------------------------------------------------------------
-def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None):
-    # r_i = sum_k w_k * reward_k(o_i) over the rewards that apply to o_i: None means "does not
-    # apply" (TRL: NaN, then nansum). A sample no reward applies to, a reward that raises, or a
-    # value that is neither None nor a finite number stops the run with the sample named
-    rewards, applies = torch.zeros(len(completions)), [False] * len(completions)
-    for fn, w in zip(reward_fns, weights):
-        for i, value in enumerate(reward_values(fn, completions, completion_ids, rows)):
-            if value is None:
-                continue
-            where = sample_name(i, completions[i], rows[i])
-            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-                raise TrainerError(f"reward {fn.__name__} returned {value!r:.40}, not a number, "
-                                   f"{where}")
-            if not math.isfinite(float(value)):
-                raise TrainerError(f"reward {fn.__name__} returned {float(value)}, not a finite "
-                                   f"number, {where}")
-            rewards[i] += w * float(value)
-            applies[i] = True
-    if not all(applies):
-        i = applies.index(False)
-        raise TrainerError(f"every reward function returned None (does not apply) "
-                           f"{sample_name(i, completions[i], rows[i])}")
-    return rewards
-
-
-def sample_name(i, completion, row):
-    return f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {completion[:60]!r})"
-
-
-def reward_values(fn, completions, completion_ids, rows):
-    """One reward function's value (or None) for each sample. TRL's batched form, recognised by a
-    parameter named `completions`, is called once on all of them; the per-sample form once each."""
-    if "completions" not in inspect.signature(fn).parameters:
-        values = []
-        for i, (c, row) in enumerate(zip(completions, rows)):
-            try:
-                values.append(call_reward(fn, c, row))
-            except Exception as e:
-                raise TrainerError(f"reward {fn.__name__} raised {sample_name(i, c, row)}: "
-                                   f"{type(e).__name__}: {e}") from None
-        return values
-    try:
-        values = call_batched_reward(fn, completions, completion_ids, rows)
-    except Exception as e:
-        raise TrainerError(f"reward {fn.__name__} raised on this step's {len(rows)} samples: "
-                           f"{type(e).__name__}: {e}") from None
-    values = values.tolist() if hasattr(values, "tolist") else values  # an array or a tensor
-    if not isinstance(values, (list, tuple)) or len(values) != len(rows):
-        raise TrainerError(f"reward {fn.__name__} returned {values!r:.40}, not a list of "
-                           f"{len(rows)} values (one per completion, TRL's batched form)")
-    return values
-
-
-def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
-    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), std with n - 1 (torch.std, as TRL).
-    # "batch" divides by batch_std (the trainer passes all ranks' std), else by this batch's std
-    grouped = rewards.view(-1, num_generations)                                   # [B, G]
-    # a group whose rewards all tie gets exactly 0 (the float mean of G copies of 0.2 is not 0.2)
-    tied = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
-    centered = torch.where(tied, 0.0, grouped - grouped.mean(dim=1, keepdim=True))
-    if scale_rewards == "group":
-        centered = centered / (grouped.std(dim=1, keepdim=True) + 1e-4)
-    elif scale_rewards == "batch":
-        centered = centered / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
-    elif scale_rewards != "none":
-        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
-    return centered.reshape(-1)                                                   # [B*G]
-
-
-# --------------------------------------------------------------------------------------------------
-# Steps 5-7, 10. Log-probs and entropy
-# --------------------------------------------------------------------------------------------------
-def selective_log_softmax(logits, index):
-    # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax
-    # (the caller's chunk bounds the logits in bytes)
-    z = logits.float()
-    return z.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-
-
-def entropy_from_logits(logits, chunk_size=128):
-    # H = logsumexp(z) - sum_v softmax(z)_v * z_v, over chunks of rows of the flat [N, V] logits
-    flat = logits.reshape(-1, logits.shape[-1])                                   # [N, V]
-    chunks = []
-    for s in range(0, flat.shape[0], chunk_size):
-        z = flat[s:s + chunk_size].float()
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
-    return torch.cat(chunks).view(logits.shape[:-1])                              # without V
-
-
-def lm_logits(model, hidden):
-    # z = lm_head(h), then what the model's own forward applies after it: Cohere z * logit_scale,
-    # Granite z / logits_scaling, Gemma-2/3 cap * tanh(z / cap); check_output_head() refuses others
-    config = model.config.get_text_config()
-    z = model.get_output_embeddings()(hidden)
-    if getattr(config, "logit_scale", None) is not None:
-        z = z * config.logit_scale
-    if getattr(config, "logits_scaling", None) is not None:
-        z = z / config.logits_scaling
-    if getattr(config, "final_logit_softcapping", None):
-        z = torch.tanh(z / config.final_logit_softcapping) * config.final_logit_softcapping
-    return z
-
-
-class Fp32Linear(torch.nn.Linear):
-    """--cast_lm_head_to_fp32: the model's own lm_head, its matmul in fp32 whatever autocast says:
-    z = float(h) @ float(W)^T. Under bf16 autocast a plain Linear rounds h and W to bf16 (8 bits of
-    mantissa) before the [., V] matmul: the largest source of sampler/trainer mismatch. Being the
-    model's head, generate and lm_logits both use it; parameters and state_dict keys are the
-    Linear's (an HF checkpoint still; a tied head stays tied)."""
-    def forward(self, hidden):
-        with torch.autocast(hidden.device.type, enabled=False):
-            bias = None if self.bias is None else self.bias.float()
-            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
-
-
-def cast_lm_head_to_fp32(model):
-    head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:  # a subclass's own forward would be lost
-        raise TrainerError(f"--cast_lm_head_to_fp32: {type(model).__name__}'s lm_head is a "
-                           f"{type(head).__name__}, not a torch.nn.Linear")
-    head.__class__ = Fp32Linear  # the same module and parameters, an fp32 forward
-    return model
-
-
-def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entropy_chunk_size,
-                         with_entropy=True):
-    """One chunk: hidden [c, H] -> logits [c, V] (they exist only inside this chunk). lm_head:
-    anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear).
-    sampling: temperature, top_k, top_p of the distribution to score (top_k 0, top_p 1: the full
-    one)."""
-    logits = lm_head(hidden).float()           # [c, V]: the one fp32 copy (bf16 under autocast)
-    if sampling["temperature"] != 1.0:
-        logits.div_(sampling["temperature"])   # in place: no second [c, V] (nothing saved it)
-    # sampling replay: score under the truncation the sampler used, renormalized over the kept set
-    # (the sampled token always kept): logp = z[o] - logsumexp(z[kept])
-    scored = truncate_logits(logits, sampling["top_k"], sampling["top_p"], keep=targets)
-    logps = selective_log_softmax(scored, targets)
-    if not with_entropy:
-        return logps, torch.zeros_like(logps.detach())
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        # only logged: no graph at all (detached, no_grad); a bonus: in the graph, recomputed in
-        # backward. The entropy is the full (tempered) distribution's, truncated or not
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach(),
-                                      entropy_chunk_size)
-    return logps, entropy
-
-
-def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
-                     top_k=0, top_p=1.0, chunk_size=0, entropy_grad=False, entropy_chunk_size=128,
-                     with_entropy=True):
-    """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states
-    through lm_head in chunks of chunk_size tokens (0: auto_chunk_tokens(V)), so [rows, T, V] logits
-    never exist at once. temperature, top_k, top_p: the distribution scored (truncate_logits); top_k
-    0 and top_p 1 score the full one. Call it with the DDP-wrapped model: its forward is what makes
-    DDP all-reduce the gradients. Without grad (reference, old log-probs) it runs the decoder alone,
-    which keeps no layer's hidden states but the last.
-
-    Returns logps [rows, T], entropy [rows, T] (graph only if entropy_grad), router aux loss (MoE)
-    or None."""
-    T = num_completion_tokens
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)   # as generate() computes them
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False)
-    moe, aux = is_moe(model), None
-    if torch.is_grad_enabled() or is_fsdp(model):  # FSDP: the root's forward gathers embeddings
-        # logits_to_keep=1: the model's own lm_head runs on the last position only ([rows, 1, V],
-        # not [rows, P+T, V]); the log-probs come from the hidden states through lm_head, below
-        out = model(**inputs, output_hidden_states=True, logits_to_keep=1,
-                    **({"output_router_logits": True} if moe else {}))
-        hidden, aux = out.hidden_states[-1], getattr(out, "aux_loss", None) if moe else None
-    else:
-        hidden = unwrap(model).get_decoder()(**inputs).last_hidden_state
-    hidden = hidden[:, -T - 1:-1, :]                                  # [rows, T, H]: before token t
-    targets = input_ids[:, -T:]                                                   # [rows, T]
-    head = functools.partial(lm_logits, unwrap(model))      # lm_head + the model's post-processing
-    # truncating holds a few more [c, V] tensors (the sort's values and indices, a mask): a smaller
-    # auto chunk
-    truncating = top_k > 0 or top_p < 1.0
-    vocab = unwrap(model).get_output_embeddings().weight.shape[0]
-    chunk_size = chunk_size or auto_chunk_tokens(vocab) // (4 if truncating else 1) or 1
-    logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, chunk_size=chunk_size, entropy_grad=entropy_grad,
-                                   entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
-    return logps, entropy, aux
-
-
-# The largest tensor of a step is one chunk's logits, [tokens, V]: bounded in bytes, it does not
-# grow with the vocabulary (a fixed token count would be 622 MB at 1,024 x 151,936 in fp32, 2.5x
-# that with its gradient)
-LOGITS_BUDGET_MIB = 64
-
-
-def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
-    # tokens = budget / (V x 4 bytes of fp32 logits), at least 1
-    return max(1, budget_mib * 2**20 // (vocab_size * 4))
-
-
-def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size,
-                  entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
-    """hidden [rows, T, H] -> logps, entropy [rows, T], chunk_size tokens of logits at a time: the
-    largest logits tensor is [chunk_size, V] however many rows there are."""
-    rows, T = targets.shape
-    flat_hidden = hidden.reshape(rows * T, hidden.shape[-1])                      # [N, H]
-    flat_targets = targets.reshape(rows * T)                                      # [N]
-    logps, entropy = [], []
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    for s in range(0, rows * T, chunk_size):
-        h, y = flat_hidden[s:s + chunk_size], flat_targets[s:s + chunk_size]
-        if torch.is_grad_enabled():  # keep the chunk's inputs; recompute its logits in backward
-            lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, sampling, entropy_grad,
-                                 entropy_chunk_size, with_entropy, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logps_entropy(lm_head, h, y, sampling, False, entropy_chunk_size,
-                                           with_entropy)
-        logps.append(lp)
-        entropy.append(ent)
-    return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T)
-
-
-# --------------------------------------------------------------------------------------------------
-# Steps 8-9, 11. The objective, the mismatch correction, the entropy coefficient
-# --------------------------------------------------------------------------------------------------
-def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1,
-              accum_steps=1, step_rows=None):
-    """A per-token quantity [rows, T] -> the scalar the loss uses (the README's step 9 table).
-    grpo and dr_grpo divide by this rank's rows in the whole step, step_rows (None: this
-    micro-batch's rows x S, the same number when every row is trained); skipped rows count in it."""
-    total = per_token * mask
-    rows = step_rows or mask.shape[0] * accum_steps  # = micro-batch rows x S
-    if loss_type == "grpo":     # sum_i [ sum_t L m / max(sum_t m, 1) ] / rows  (= mean_i [..] / S)
-        return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / rows
-    if loss_type == "bnpo":     # sum L m / max(sum m, 1) / S   (this rank's micro-batch)
-        return total.sum() / mask.sum().clamp(min=1) / accum_steps
-    if loss_type == "dr_grpo":  # sum L m / (rows * L_max)
-        return total.sum() / (rows * (max_gen_len or mask.shape[1]))
-    if loss_type in ("dapo", "cispo"):  # sum L m / (N / world_size), N: the step's masked tokens
-        n = num_items if num_items is not None else mask.sum()
-        return total.sum() / max(float(n) / world_size, 1.0)
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
-
-
-def importance_weights(ratio, kind, cap):
-    # the sampler drew o from pi_sampler, the loss scores pi_trainer: per token
-    #   rho = exp(logp_trainer - logp_sampler)
-    #   tis (truncated importance sampling): w = min(rho, C)
-    #   mis (masked importance sampling):    w = 1[1/C <= rho <= C]
-    #   none: no weight
-    if kind == "tis":
-        return torch.clamp(ratio, max=cap)
-    if kind == "mis":
-        return ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
-    return None
-
-
-def sampler_mismatch(gap, mask, device="cpu"):
-    """The five mismatch metrics over the masked tokens of all ranks, from gap [rows, T] = the
-    trainer's old log-prob - the sampler's: |gap| (mean, max), rho = exp(gap) (min, mean, max)."""
-    on = mask.bool()
-    diff, rho = gap[on].abs(), gap[on].exp()
-    n, diff_sum, ratio_sum = world_sum(on.sum(), diff.sum(), rho.sum(), device=device)
-    some = on.any()  # a rank without masked tokens takes no part in the world's max and min
-    diff_max, ratio_max, neg_ratio_min = world_max(
-        diff.max() if some else 0.0, rho.max() if some else -math.inf,
-        -rho.min() if some else -math.inf, device=device)
-    return {"sampler_logp_diff_mean": diff_sum / max(n, 1.0), "sampler_logp_diff_max": diff_max,
-            "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio_sum / max(n, 1.0),
-            "is_ratio_max": ratio_max}
-
-
-def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high,
-              ref_logps=None, beta=0.0, max_gen_len=None, num_items=None, world_size=1,
-              entropy=None, entropy_coef=0.0, accum_steps=1, step_rows=None, is_weight=None,
-              importance_sampling_level="token"):
-    """logps/old_logps/ref_logps/mask/entropy/is_weight: [rows, T]; advantages: [rows]. Returns
-    (loss, stats). old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy.
-    is_weight: a detached per-token weight of the policy term (importance_weights: the
-    sampler/trainer mismatch correction). step_rows: grpo's and dr_grpo's row count (aggregate).
-    importance_sampling_level "sequence" (GSPO): one ratio per sequence, s_i = exp(sum_t m (logp -
-    old) / max(sum_t m, 1)), clipped per sequence and applied to each of its tokens; meant for
-    loss_type grpo (a mean per sequence), refused for cispo. clip_ratio counts masked tokens either
-    way: a clipped sequence counts all its tokens."""
-    assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) has zero gradient"
-    mask = mask.to(logps.dtype)
-    A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
-    # r = exp(logp - old): value 1 on-policy, gradient r * dlogp (old carries no graph)
-    log_ratio = logps - old_logps                                                 # [rows, T]
-    if importance_sampling_level == "sequence":
-        assert loss_type != "cispo", "GSPO's sequence ratio is for the clipped objective"
-        # GSPO: log s_i = sum_t m (logp - old) / max(sum_t m, 1), the same s_i on each token of o_i
-        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(
-            min=1)).expand_as(logps)
-    ratio = torch.exp(log_ratio)
-    if loss_type == "cispo":
-        # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free weight on a REINFORCE term
-        pg = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
-        clipped = ratio > epsilon_high
-    else:
-        # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
-        pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
-        clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
-    if is_weight is not None:
-        assert not is_weight.requires_grad, "the importance weight is a constant: sg(w)"
-        pg = is_weight * pg                                                       # L <- sg(w) * L
-    per_token = pg  # the policy-gradient term; the KL and entropy terms join it below
-    norm = dict(loss_type=loss_type, max_gen_len=max_gen_len, num_items=num_items,
-                world_size=world_size, accum_steps=accum_steps, step_rows=step_rows)
-    stats = {}
-    if beta > 0:
-        # k3: KL = exp(ref - logp) - (ref - logp) - 1, added as + beta * KL
-        delta = ref_logps - logps
-        kl = torch.exp(delta) - delta - 1
-        per_token = per_token + beta * kl
-        stats["kl_sum"] = (kl * mask).sum().detach()                              # logged: a sum
-        stats["kl"] = stats["kl_sum"] / mask.sum().clamp(min=1)
-    if entropy is not None and entropy_coef != 0.0:
-        per_token = per_token - entropy_coef * entropy                            # - alpha * H
-    loss = aggregate(per_token, mask, **norm)
-    stats["policy_loss"] = aggregate(pg.detach(), mask, **norm)
-    stats["clip_ratio"] = (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-    return loss, stats
-
-
-def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_max):
-    # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min)
-    # the next step applies alpha = c if H_w < target else 0
-    if world_entropy < target:
-        new = min(coef + delta, coef_max)
-        return new, new
-    return max(coef - delta, coef_min), 0.0
-
-
-def world_mean(local_sum, local_count, device="cpu"):
-    # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of rank means
-    total, count = world_sum(local_sum, local_count, device=device)
-    return total / count if count else float("nan")  # nan: nothing was measured
-
-
-def world_std(values, device="cpu"):
-    # std (n - 1) of all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in fp64
-    s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(),
-                         device=device)
-    return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
-
-
-def world_max(*values, device="cpu"):
-    """The largest of each rank's value, value by value, in one all-reduce (identity in a single
-    process)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def world_sum(*values, device="cpu"):
-    """Sum float values over all ranks (identity in a single process)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-# --------------------------------------------------------------------------------------------------
-# Step 13. The update
-# --------------------------------------------------------------------------------------------------
-def lr_factor(step, *, warmup_steps, max_steps, schedule):
-    # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
-    # (constant) or 0.5 (1 + cos(pi * progress)) (cosine), progress = (step - warmup) /
-    # (max_steps - warmup)
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def build_optimizer(policy, args):
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
-        s, warmup_steps=args.warmup_steps, max_steps=args.max_steps, schedule=args.lr_scheduler))
-    return optimizer, scheduler
-
-
-def loss_scaler(dtype, device):
-    # fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none); inert otherwise
-    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
-
-
-# GradScaler halves an fp16 loss scale on each overflow, here never below this one: an overflow at
-# scale 1 is the gradient's own, not the scale's
-MIN_LOSS_SCALE = 1.0
-
-
-def clipped_optimizer_step(run, grad_clip, loss, state):
-    """Step 13: unscale (fp16), clip the global grad norm, step, zero the gradients. A step whose
-    loss or grad norm is not finite on any rank is skipped on every rank (a world decision), and
-    counted in state.skipped_steps (updates: mu per step); under fp16 the loss scale then halves on
-    every rank (down to MIN_LOSS_SCALE), and doubles after 2,000 good steps in a row (GradScaler's
-    rule). An overflow the scale can still cure is the scaler's normal work; a non-finite loss, or
-    an overflow at MIN_LOSS_SCALE, counts toward the stop after 3 in a row (state.bad_in_a_row).
-    Returns the grad norm."""
-    policy, optimizer, scaler = unwrap(run.model), run.optimizer, run.scaler
-    scaler.unscale_(optimizer)  # the true loss's gradients: clipping and the norm see real values
-    max_norm = grad_clip if grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
-        grad_norm = grad_norm.full_tensor()
-    bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
-                                   device=run.device)
-    if bad_loss + bad_norm == 0:
-        scaler.step(optimizer)  # optimizer.step(): no rank holds an inf (finite world norm)
-        scaler.update()
-        state.bad_in_a_row = 0
-    else:
-        state.skipped_steps += 1
-        scale_can_drop = scaler.is_enabled() and scaler.get_scale() > MIN_LOSS_SCALE
-        if bad_loss or not scale_can_drop:
-            state.bad_in_a_row += 1
-        if scaler.is_enabled():  # every rank lowers its scale alike (its own check may see no inf)
-            scaler.update(max(scaler.get_scale() * scaler.get_backoff_factor(), MIN_LOSS_SCALE))
-            scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-# --------------------------------------------------------------------------------------------------
-# One GRPO step: stages 1-13, in order
+# The step: every stage a labelled block, in order
 # --------------------------------------------------------------------------------------------------
 @dataclass
 class TrainState:
@@ -797,19 +236,6 @@ class Run:
     weights: list
     world: int = 1
     device: str = "cpu"
-
-
-def next_prompts(sampler, train_rows, state, batch_size):
-    """Step 1: this rank's B prompts, in the DistributedSampler's order (a new one each epoch)."""
-    sampler.set_epoch(state.sampler_epoch)
-    order = list(sampler)
-    if state.sampler_pos + batch_size > len(order):
-        state.sampler_epoch, state.sampler_pos = state.sampler_epoch + 1, 0
-        sampler.set_epoch(state.sampler_epoch)
-        order = list(sampler)
-    rows = [train_rows[i] for i in order[state.sampler_pos:state.sampler_pos + batch_size]]
-    state.sampler_pos += batch_size
-    return rows
 
 
 def grpo_step(args, run, rows, state):
@@ -889,14 +315,216 @@ def grpo_step(args, run, rows, state):
     return record
 
 
-def scored_distribution(args):
-    """The distribution the trainer scores tokens under: the sampler's (replay), or the full
-    tempered one."""
-    replay = args.sampling_replay
-    return dict(temperature=args.temperature, top_k=args.top_k if replay else 0,
-                top_p=args.top_p if replay else 1.0)
+# --------------------------------------------------------------------------------------------------
+# Stages 1-2. Prompts and rollout: sample on the *unwrapped* policy, in eval mode, without a graph
+# --------------------------------------------------------------------------------------------------
+def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
+    """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
+    A prompt starts with the BOS its tokenizer puts first (Llama, Gemma, Mistral: as in
+    pretraining), never twice: a chat template that writes it (Llama-3's <|begin_of_text|>) gets
+    none added; no EOS is ever added. Returns input_ids [B, P], attention_mask [B, P] and how many
+    prompts were cut."""
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
+    ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    ids = [[bos] + x if adds_bos and x[:1] != [bos] else x for x in ids]
+    n_cut = sum(len(x) > max_prompt_len for x in ids)
+    ids = [x[-max_prompt_len:] for x in ids]
+    width = max(len(x) for x in ids)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids],
+                                  device=device)
+    return input_ids, attention_mask, n_cut
 
 
+@torch.no_grad()
+def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
+            temperature=1.0, top_p=1.0, top_k=0, static_cache=False):
+    """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T],
+    truncated [rows], and the sampler's log-prob of each completion token [rows, T] (0 outside the
+    mask; None if greedy).
+
+    The sampling distribution is truncate_logits(z / temperature, top_k, top_p), applied by
+    SamplerLogps, and nothing else: a checkpoint's generation_config.json (repetition_penalty,
+    no_repeat_ngram_size, ...) would make the sampler draw from a distribution the loss never
+    scores, so it is set aside here. static_cache: a fixed-size KV cache, whose decode step
+    transformers compiles on CUDA. The compiled step reads the
+    parameters as inputs, so it sees every update."""
+    from transformers import GenerationConfig, LogitsProcessorList
+    # stop on, and mask after, every EOS the checkpoint declares
+    eos = eos_token_ids(policy, tokenizer)
+    sampler = SamplerLogps(temperature, top_k, top_p) if do_sample else None
+    # generate's own temperature/top-k/top-p off (SamplerLogps applies them; top_k 0, not the
+    # library's default 50); greedy sets none (transformers warns of sampling flags when greedy)
+    off = dict(temperature=1.0, top_p=1.0, top_k=0) if do_sample else {}
+    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample, **off,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                              bos_token_id=tokenizer.bos_token_id,
+                              cache_implementation="static" if static_cache else None)
+    # the compiled decode is specialized to the cache's shape: widths in steps of 64, not 1
+    if static_cache:
+        pad = -input_ids.shape[1] % 64
+        input_ids = torch.nn.functional.pad(input_ids, (pad, 0), value=tokenizer.pad_token_id)
+        attention_mask = torch.nn.functional.pad(attention_mask, (pad, 0), value=0)
+    was_training, checkpoint_config = policy.training, policy.generation_config
+    policy.eval()
+    # generate() fills unset fields from this: library defaults only
+    policy.generation_config = GenerationConfig()
+    try:
+        with gathered(policy):
+            processors = LogitsProcessorList([sampler] if sampler else [])
+            out = policy.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                  generation_config=config, logits_processor=processors)
+    finally:
+        policy.generation_config = checkpoint_config
+        policy.train(was_training)
+    completion_ids = out[:, input_ids.shape[1]:]                                  # [rows, T]
+    mask, truncated = completion_mask(completion_ids, eos)
+    sampler_logps = None
+    # after EOS generate writes pads, which the truncation may have dropped (-inf)
+    if sampler is not None:
+        sampler_logps = torch.where(mask.bool(), sampler.finish(completion_ids), 0.0)
+    return completion_ids, mask, truncated, sampler_logps
+
+
+def eos_token_ids(model, tokenizer):
+    """Every id that ends a completion: the tokenizer's EOS and those the checkpoint's generation
+    config declares (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama-3-Instruct: three
+    ids)."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    declared = declared if isinstance(declared, (list, tuple)) else [declared]
+    return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
+
+
+class SamplerLogps:
+    """A logits processor for generate: it applies the sampling distribution itself (temperature,
+    top-k, top-p: generate's own are switched off) and keeps, for each sampled token, its log-prob
+    under that distribution. One [rows, V] step at a time: when generate asks for step t+1's scores,
+    its input ends with the token it drew at step t, which is gathered from step t's log-softmax;
+    finish() does the last token."""
+    def __init__(self, temperature=1.0, top_k=0, top_p=1.0):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.previous, self.logps = None, []
+
+    def __call__(self, input_ids, scores):                                       # scores [rows, V]
+        if self.previous is not None:
+            self.logps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        scores = truncate_logits(scores.float() / self.temperature, self.top_k, self.top_p)
+        self.previous = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def finish(self, completion_ids):                                             # -> [rows, T]
+        last = self.previous.gather(-1, completion_ids[:, -1:]).squeeze(-1)
+        return torch.stack(self.logps + [last], dim=1)
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
+            for ids, m in zip(completion_ids, mask)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Stages 3-4. Rewards and advantages
+# --------------------------------------------------------------------------------------------------
+def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None):
+    # r_i = sum_k w_k * reward_k(o_i) over the rewards that apply to o_i: None means "does not
+    # apply" (TRL: NaN, then nansum). A sample no reward applies to, a reward that raises, or a
+    # value that is neither None nor a finite number stops the run with the sample named
+    rewards, applies = torch.zeros(len(completions)), [False] * len(completions)
+    for fn, w in zip(reward_fns, weights):
+        for i, value in enumerate(reward_values(fn, completions, completion_ids, rows)):
+            if value is None:
+                continue
+            where = sample_name(i, completions[i], rows[i])
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+                raise TrainerError(f"reward {fn.__name__} returned {value!r:.40}, not a number, "
+                                   f"{where}")
+            if not math.isfinite(float(value)):
+                raise TrainerError(f"reward {fn.__name__} returned {float(value)}, not a finite "
+                                   f"number, {where}")
+            rewards[i] += w * float(value)
+            applies[i] = True
+    if not all(applies):
+        i = applies.index(False)
+        raise TrainerError(f"every reward function returned None (does not apply) "
+                           f"{sample_name(i, completions[i], rows[i])}")
+    return rewards
+
+
+def reward_values(fn, completions, completion_ids, rows):
+    """One reward function's value (or None) for each sample. TRL's batched form, recognised by a
+    parameter named `completions`, is called once on all of them; the per-sample form once each."""
+    if "completions" not in inspect.signature(fn).parameters:
+        values = []
+        for i, (c, row) in enumerate(zip(completions, rows)):
+            try:
+                values.append(call_reward(fn, c, row))
+            except Exception as e:
+                raise TrainerError(f"reward {fn.__name__} raised {sample_name(i, c, row)}: "
+                                   f"{type(e).__name__}: {e}") from None
+        return values
+    try:
+        values = call_batched_reward(fn, completions, completion_ids, rows)
+    except Exception as e:
+        raise TrainerError(f"reward {fn.__name__} raised on this step's {len(rows)} samples: "
+                           f"{type(e).__name__}: {e}") from None
+    values = values.tolist() if hasattr(values, "tolist") else values  # an array or a tensor
+    if not isinstance(values, (list, tuple)) or len(values) != len(rows):
+        raise TrainerError(f"reward {fn.__name__} returned {values!r:.40}, not a list of "
+                           f"{len(rows)} values (one per completion, TRL's batched form)")
+    return values
+
+
+def sample_name(i, completion, row):
+    return f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {completion[:60]!r})"
+
+
+def call_reward(fn, completion, row):
+    # f(completion, **row): the row's fields that f names (all of them if it takes **kwargs)
+    row = {k: v for k, v in row.items() if k != DATASET_PROMPT}  # 'prompt': the rendered text
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(completion, **row)
+    return fn(completion, **{k: v for k, v in row.items() if k in params})
+
+
+def call_batched_reward(fn, completions, completion_ids, rows):
+    """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), every
+    other dataset column as a list (those f names, or all of them if it takes **kwargs). Chat
+    prompts: `prompts` are the dataset's message lists and each completion is
+    [{"role": "assistant", "content": text}]."""
+    prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
+    if not isinstance(prompts[0], str):  # conversational
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    kwargs = {k: [r[k] for r in rows] for k in rows[0]
+              if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
+    kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(**kwargs)
+
+
+def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
+    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), std with n - 1 (torch.std, as TRL).
+    # "batch" divides by batch_std (the trainer passes all ranks' std), else by this batch's std
+    grouped = rewards.view(-1, num_generations)                                   # [B, G]
+    # a group whose rewards all tie gets exactly 0 (the float mean of G copies of 0.2 is not 0.2)
+    tied = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    centered = torch.where(tied, 0.0, grouped - grouped.mean(dim=1, keepdim=True))
+    if scale_rewards == "group":
+        centered = centered / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    elif scale_rewards == "batch":
+        centered = centered / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
+    return centered.reshape(-1)                                                   # [B*G]
+
+
+# --------------------------------------------------------------------------------------------------
+# Stages 5-7, 10. The rows trained; reference, old and current log-probs; entropy
+# --------------------------------------------------------------------------------------------------
 def rows_to_train(args, run, advantages, mask, alpha):
     """The rows whose forward and backward can change the update: indices [kept]. With beta = 0 and
     no entropy bonus, a row with A = 0, or without a masked token, adds exactly 0 to the gradient
@@ -1016,6 +644,288 @@ def auto_micro_batch(rows, width, args):
     return max(fits or [1])
 
 
+def scored_distribution(args):
+    """The distribution the trainer scores tokens under: the sampler's (replay), or the full
+    tempered one."""
+    replay = args.sampling_replay
+    return dict(temperature=args.temperature, top_k=args.top_k if replay else 0,
+                top_p=args.top_p if replay else 1.0)
+
+
+def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
+                     top_k=0, top_p=1.0, chunk_size=0, entropy_grad=False, entropy_chunk_size=128,
+                     with_entropy=True):
+    """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states
+    through lm_head in chunks of chunk_size tokens (0: auto_chunk_tokens(V)), so [rows, T, V] logits
+    never exist at once. temperature, top_k, top_p: the distribution scored (truncate_logits); top_k
+    0 and top_p 1 score the full one. Call it with the DDP-wrapped model: its forward is what makes
+    DDP all-reduce the gradients. Without grad (reference, old log-probs) it runs the decoder alone,
+    which keeps no layer's hidden states but the last.
+
+    Returns logps [rows, T], entropy [rows, T] (graph only if entropy_grad), router aux loss (MoE)
+    or None."""
+    T = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)   # as generate() computes them
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False)
+    moe, aux = is_moe(model), None
+    if torch.is_grad_enabled() or is_fsdp(model):  # FSDP: the root's forward gathers embeddings
+        # logits_to_keep=1: the model's own lm_head runs on the last position only ([rows, 1, V],
+        # not [rows, P+T, V]); the log-probs come from the hidden states through lm_head, below
+        out = model(**inputs, output_hidden_states=True, logits_to_keep=1,
+                    **({"output_router_logits": True} if moe else {}))
+        hidden, aux = out.hidden_states[-1], getattr(out, "aux_loss", None) if moe else None
+    else:
+        hidden = unwrap(model).get_decoder()(**inputs).last_hidden_state
+    hidden = hidden[:, -T - 1:-1, :]                                  # [rows, T, H]: before token t
+    targets = input_ids[:, -T:]                                                   # [rows, T]
+    head = functools.partial(lm_logits, unwrap(model))      # lm_head + the model's post-processing
+    # truncating holds a few more [c, V] tensors (the sort's values and indices, a mask): a smaller
+    # auto chunk
+    truncating = top_k > 0 or top_p < 1.0
+    vocab = unwrap(model).get_output_embeddings().weight.shape[0]
+    chunk_size = chunk_size or auto_chunk_tokens(vocab) // (4 if truncating else 1) or 1
+    logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, chunk_size=chunk_size, entropy_grad=entropy_grad,
+                                   entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
+    return logps, entropy, aux
+
+
+def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size,
+                  entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
+    """hidden [rows, T, H] -> logps, entropy [rows, T], chunk_size tokens of logits at a time: the
+    largest logits tensor is [chunk_size, V] however many rows there are."""
+    rows, T = targets.shape
+    flat_hidden = hidden.reshape(rows * T, hidden.shape[-1])                      # [N, H]
+    flat_targets = targets.reshape(rows * T)                                      # [N]
+    logps, entropy = [], []
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    for s in range(0, rows * T, chunk_size):
+        h, y = flat_hidden[s:s + chunk_size], flat_targets[s:s + chunk_size]
+        if torch.is_grad_enabled():  # keep the chunk's inputs; recompute its logits in backward
+            lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, sampling, entropy_grad,
+                                 entropy_chunk_size, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logps_entropy(lm_head, h, y, sampling, False, entropy_chunk_size,
+                                           with_entropy)
+        logps.append(lp)
+        entropy.append(ent)
+    return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T)
+
+
+def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entropy_chunk_size,
+                         with_entropy=True):
+    """One chunk: hidden [c, H] -> logits [c, V] (they exist only inside this chunk). lm_head:
+    anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear).
+    sampling: temperature, top_k, top_p of the distribution to score (top_k 0, top_p 1: the full
+    one)."""
+    logits = lm_head(hidden).float()           # [c, V]: the one fp32 copy (bf16 under autocast)
+    if sampling["temperature"] != 1.0:
+        logits.div_(sampling["temperature"])   # in place: no second [c, V] (nothing saved it)
+    # sampling replay: score under the truncation the sampler used, renormalized over the kept set
+    # (the sampled token always kept): logp = z[o] - logsumexp(z[kept])
+    scored = truncate_logits(logits, sampling["top_k"], sampling["top_p"], keep=targets)
+    logps = selective_log_softmax(scored, targets)
+    if not with_entropy:
+        return logps, torch.zeros_like(logps.detach())
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        # only logged: no graph at all (detached, no_grad); a bonus: in the graph, recomputed in
+        # backward. The entropy is the full (tempered) distribution's, truncated or not
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach(),
+                                      entropy_chunk_size)
+    return logps, entropy
+
+
+def truncate_logits(z, top_k=0, top_p=1.0, keep=None):
+    """Top-k, then top-p, as generate applies them (its order, its ties): dropped tokens get -inf,
+    so a softmax renormalizes over the kept set. keep [N]: a token id per row that stays whatever
+    (the sampled one). z: [N, V] logits already divided by the temperature."""
+    if top_k <= 0 and top_p >= 1.0:
+        return z
+    drop = torch.zeros_like(z, dtype=torch.bool)                                  # [N, V]
+    if top_k > 0:  # keep the k largest (and any tied with the k-th)
+        drop |= z < torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
+    # drop the least likely tokens while their total mass is <= 1 - top_p; the likeliest stays
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z.masked_fill(drop, float("-inf")), dim=-1)  # ascending
+        sorted_drop = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
+        sorted_drop[:, -1] = False
+        drop |= sorted_drop.scatter(-1, order, sorted_drop)
+    if keep is not None:
+        drop.scatter_(-1, keep.reshape(-1, 1), False)
+    return z.masked_fill(drop, float("-inf"))
+
+
+def completion_mask(completion_ids, eos_token_id):
+    # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after;
+    # eos_token_id: one id or a list (any of them ends the completion)
+    eos = torch.as_tensor(eos_token_id, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos)                                      # [rows, T]
+    T = completion_ids.shape[1]
+    never = torch.full_like(is_eos[:, 0], T, dtype=torch.long)
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)
+    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
+    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)  # mask [rows, T], truncated
+
+
+def selective_log_softmax(logits, index):
+    # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax
+    # (the caller's chunk bounds the logits in bytes)
+    z = logits.float()
+    return z.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def entropy_from_logits(logits, chunk_size=128):
+    # H = logsumexp(z) - sum_v softmax(z)_v * z_v, over chunks of rows of the flat [N, V] logits
+    flat = logits.reshape(-1, logits.shape[-1])                                   # [N, V]
+    chunks = []
+    for s in range(0, flat.shape[0], chunk_size):
+        z = flat[s:s + chunk_size].float()
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
+    return torch.cat(chunks).view(logits.shape[:-1])                              # without V
+
+
+# --------------------------------------------------------------------------------------------------
+# Stages 8-9, 12. The objective, its normalization, the mismatch correction
+# --------------------------------------------------------------------------------------------------
+def importance_weights(ratio, kind, cap):
+    # the sampler drew o from pi_sampler, the loss scores pi_trainer: per token
+    #   rho = exp(logp_trainer - logp_sampler)
+    #   tis (truncated importance sampling): w = min(rho, C)
+    #   mis (masked importance sampling):    w = 1[1/C <= rho <= C]
+    #   none: no weight
+    if kind == "tis":
+        return torch.clamp(ratio, max=cap)
+    if kind == "mis":
+        return ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
+    return None
+
+
+def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high,
+              ref_logps=None, beta=0.0, max_gen_len=None, num_items=None, world_size=1,
+              entropy=None, entropy_coef=0.0, accum_steps=1, step_rows=None, is_weight=None,
+              importance_sampling_level="token"):
+    """logps/old_logps/ref_logps/mask/entropy/is_weight: [rows, T]; advantages: [rows]. Returns
+    (loss, stats). old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy.
+    is_weight: a detached per-token weight of the policy term (importance_weights: the
+    sampler/trainer mismatch correction). step_rows: grpo's and dr_grpo's row count (aggregate).
+    importance_sampling_level "sequence" (GSPO): one ratio per sequence, s_i = exp(sum_t m (logp -
+    old) / max(sum_t m, 1)), clipped per sequence and applied to each of its tokens; meant for
+    loss_type grpo (a mean per sequence), refused for cispo. clip_ratio counts masked tokens either
+    way: a clipped sequence counts all its tokens."""
+    assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) has zero gradient"
+    mask = mask.to(logps.dtype)
+    A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
+    # r = exp(logp - old): value 1 on-policy, gradient r * dlogp (old carries no graph)
+    log_ratio = logps - old_logps                                                 # [rows, T]
+    if importance_sampling_level == "sequence":
+        assert loss_type != "cispo", "GSPO's sequence ratio is for the clipped objective"
+        # GSPO: log s_i = sum_t m (logp - old) / max(sum_t m, 1), the same s_i on each token of o_i
+        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(
+            min=1)).expand_as(logps)
+    ratio = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free weight on a REINFORCE term
+        pg = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
+        clipped = ratio > epsilon_high
+    else:
+        # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
+        pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
+        clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
+    if is_weight is not None:
+        assert not is_weight.requires_grad, "the importance weight is a constant: sg(w)"
+        pg = is_weight * pg                                                       # L <- sg(w) * L
+    per_token = pg  # the policy-gradient term; the KL and entropy terms join it below
+    norm = dict(loss_type=loss_type, max_gen_len=max_gen_len, num_items=num_items,
+                world_size=world_size, accum_steps=accum_steps, step_rows=step_rows)
+    stats = {}
+    if beta > 0:
+        # k3: KL = exp(ref - logp) - (ref - logp) - 1, added as + beta * KL
+        delta = ref_logps - logps
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + beta * kl
+        stats["kl_sum"] = (kl * mask).sum().detach()                              # logged: a sum
+        stats["kl"] = stats["kl_sum"] / mask.sum().clamp(min=1)
+    if entropy is not None and entropy_coef != 0.0:
+        per_token = per_token - entropy_coef * entropy                            # - alpha * H
+    loss = aggregate(per_token, mask, **norm)
+    stats["policy_loss"] = aggregate(pg.detach(), mask, **norm)
+    stats["clip_ratio"] = (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
+    return loss, stats
+
+
+def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1,
+              accum_steps=1, step_rows=None):
+    """A per-token quantity [rows, T] -> the scalar the loss uses (the README's step 9 table).
+    grpo and dr_grpo divide by this rank's rows in the whole step, step_rows (None: this
+    micro-batch's rows x S, the same number when every row is trained); skipped rows count in it."""
+    total = per_token * mask
+    rows = step_rows or mask.shape[0] * accum_steps  # = micro-batch rows x S
+    if loss_type == "grpo":     # sum_i [ sum_t L m / max(sum_t m, 1) ] / rows  (= mean_i [..] / S)
+        return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / rows
+    if loss_type == "bnpo":     # sum L m / max(sum m, 1) / S   (this rank's micro-batch)
+        return total.sum() / mask.sum().clamp(min=1) / accum_steps
+    if loss_type == "dr_grpo":  # sum L m / (rows * L_max)
+        return total.sum() / (rows * (max_gen_len or mask.shape[1]))
+    if loss_type in ("dapo", "cispo"):  # sum L m / (N / world_size), N: the step's masked tokens
+        n = num_items if num_items is not None else mask.sum()
+        return total.sum() / max(float(n) / world_size, 1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 13. The update
+# --------------------------------------------------------------------------------------------------
+def clipped_optimizer_step(run, grad_clip, loss, state):
+    """Step 13: unscale (fp16), clip the global grad norm, step, zero the gradients. A step whose
+    loss or grad norm is not finite on any rank is skipped on every rank (a world decision), and
+    counted in state.skipped_steps (updates: mu per step); under fp16 the loss scale then halves on
+    every rank (down to MIN_LOSS_SCALE), and doubles after 2,000 good steps in a row (GradScaler's
+    rule). An overflow the scale can still cure is the scaler's normal work; a non-finite loss, or
+    an overflow at MIN_LOSS_SCALE, counts toward the stop after 3 in a row (state.bad_in_a_row).
+    Returns the grad norm."""
+    policy, optimizer, scaler = unwrap(run.model), run.optimizer, run.scaler
+    scaler.unscale_(optimizer)  # the true loss's gradients: clipping and the norm see real values
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
+        grad_norm = grad_norm.full_tensor()
+    bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
+                                   device=run.device)
+    if bad_loss + bad_norm == 0:
+        scaler.step(optimizer)  # optimizer.step(): no rank holds an inf (finite world norm)
+        scaler.update()
+        state.bad_in_a_row = 0
+    else:
+        state.skipped_steps += 1
+        scale_can_drop = scaler.is_enabled() and scaler.get_scale() > MIN_LOSS_SCALE
+        if bad_loss or not scale_can_drop:
+            state.bad_in_a_row += 1
+        if scaler.is_enabled():  # every rank lowers its scale alike (its own check may see no inf)
+            scaler.update(max(scaler.get_scale() * scaler.get_backoff_factor(), MIN_LOSS_SCALE))
+            scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+# --------------------------------------------------------------------------------------------------
+# Stages 11, 14. The next step's entropy coefficient; the step's record
+# --------------------------------------------------------------------------------------------------
+def world_mean(local_sum, local_count, device="cpu"):
+    # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of rank means
+    total, count = world_sum(local_sum, local_count, device=device)
+    return total / count if count else float("nan")  # nan: nothing was measured
+
+
+def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_max):
+    # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min)
+    # the next step applies alpha = c if H_w < target else 0
+    if world_entropy < target:
+        new = min(coef + delta, coef_max)
+        return new, new
+    return max(coef - delta, coef_min), 0.0
+
+
 def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, prompts_cut, G,
                  num_items):
     """The step's record: world values (sums and counts over ranks, or the world's min and max).
@@ -1053,8 +963,23 @@ def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, 
     return record
 
 
+def sampler_mismatch(gap, mask, device="cpu"):
+    """The five mismatch metrics over the masked tokens of all ranks, from gap [rows, T] = the
+    trainer's old log-prob - the sampler's: |gap| (mean, max), rho = exp(gap) (min, mean, max)."""
+    on = mask.bool()
+    diff, rho = gap[on].abs(), gap[on].exp()
+    n, diff_sum, ratio_sum = world_sum(on.sum(), diff.sum(), rho.sum(), device=device)
+    some = on.any()  # a rank without masked tokens takes no part in the world's max and min
+    diff_max, ratio_max, neg_ratio_min = world_max(
+        diff.max() if some else 0.0, rho.max() if some else -math.inf,
+        -rho.min() if some else -math.inf, device=device)
+    return {"sampler_logp_diff_mean": diff_sum / max(n, 1.0), "sampler_logp_diff_max": diff_max,
+            "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio_sum / max(n, 1.0),
+            "is_ratio_max": ratio_max}
+
+
 # --------------------------------------------------------------------------------------------------
-# The loop
+# The loop: set up, then one grpo_step per step
 # --------------------------------------------------------------------------------------------------
 def train(args, rank, world, device):
     """Set up (model, data, DDP/FSDP, reference, optimizer), start or resume, then the loop."""
@@ -1138,6 +1063,74 @@ def train(args, rank, world, device):
     return {"model": policy, "step": state.step, "entropy_coef": state.entropy_coef,
             "entropy_coef_applied": state.entropy_coef_applied,
             "world_entropy": state.world_entropy}
+
+
+def next_prompts(sampler, train_rows, state, batch_size):
+    """Step 1: this rank's B prompts, in the DistributedSampler's order (a new one each epoch)."""
+    sampler.set_epoch(state.sampler_epoch)
+    order = list(sampler)
+    if state.sampler_pos + batch_size > len(order):
+        state.sampler_epoch, state.sampler_pos = state.sampler_epoch + 1, 0
+        sampler.set_epoch(state.sampler_epoch)
+        order = list(sampler)
+    rows = [train_rows[i] for i in order[state.sampler_pos:state.sampler_pos + batch_size]]
+    state.sampler_pos += batch_size
+    return rows
+
+
+def frozen_copy(policy, dtype):
+    """The reference model: a frozen copy of the policy as it is now, unsharded, that computes
+    exactly what the policy computes at equal weights. Under autocast the policy's Linear layers
+    read a --dtype copy of their fp32 weights; the reference stores just that copy (2 bytes per
+    parameter in bf16) and keeps everything else as the policy has it: embeddings (and an lm_head
+    tied to them), norms, MoE expert tensors and buffers such as RoPE's inv_freq stay fp32. Casting
+    the whole copy instead (`.to(bf16)`) rounds inv_freq, the residual stream and the norms: a
+    reference that never existed, and KL != 0 at step 1. Under FSDP the policy's parameters all
+    arrive in --dtype (its MixedPrecisionPolicy), so the reference's all are."""
+    import copy
+    if not is_fsdp(policy):
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+        embedding = ref.get_input_embeddings().weight
+        for module in ref.modules():
+            # a tied head stays fp32, and an fp32 head (--cast_lm_head_to_fp32) too
+            if (isinstance(module, torch.nn.Linear) and module.weight is not embedding
+                    and not isinstance(module, Fp32Linear)):
+                module.to(dtype)
+        return ref
+    from transformers import AutoModelForCausalLM
+    full = full_state_dict(policy, every_rank=True)
+    ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
+    disable_dropout(ref)
+    ref.load_state_dict(full)
+    # FSDP's mixed precision gathers every parameter in --dtype (buffers stay fp32)
+    for p in ref.parameters():
+        p.data = p.data.to(dtype)
+    return ref.eval().requires_grad_(False)
+
+
+def build_optimizer(policy, args):
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, warmup_steps=args.warmup_steps, max_steps=args.max_steps, schedule=args.lr_scheduler))
+    return optimizer, scheduler
+
+
+def lr_factor(step, *, warmup_steps, max_steps, schedule):
+    # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
+    # (constant) or 0.5 (1 + cos(pi * progress)) (cosine), progress = (step - warmup) /
+    # (max_steps - warmup)
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def loss_scaler(dtype, device):
+    # fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none); inert otherwise
+    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
 
 
 # ==================================================================================================
@@ -1422,12 +1415,6 @@ def compare_format_reward(completion):
     # 1.0 if the completion is a number alone ("43" or "43."), as the prompt asks, else 0.0
     return float(re.fullmatch(r"\s*-?\d+\.?\s*", completion) is not None)
 
-# defaults sized for compare_numbers on a 2-core CPU (a flag given on the command line wins)
-TASK_DEFAULTS = {COMPARE_NUMBERS: dict(batch_size=4, num_generations=8, max_gen_len=8,
-                                       max_prompt_len=128,
-                                       learning_rate=2e-5, max_steps=40, eval_interval=10,
-                                       eval_size=200)}
-
 
 def task_rewards(args):
     """The reward functions of the task and their default weights: the built-in reversal;
@@ -1474,32 +1461,6 @@ def load_reward_funcs(spec):
 
 # a row's key for the prompt as the dataset gave it (chat messages stay messages): TRL's `prompts`
 DATASET_PROMPT = "_dataset_prompt"
-
-
-def call_reward(fn, completion, row):
-    # f(completion, **row): the row's fields that f names (all of them if it takes **kwargs)
-    row = {k: v for k, v in row.items() if k != DATASET_PROMPT}  # 'prompt': the rendered text
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(completion, **row)
-    return fn(completion, **{k: v for k, v in row.items() if k in params})
-
-
-def call_batched_reward(fn, completions, completion_ids, rows):
-    """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), every
-    other dataset column as a list (those f names, or all of them if it takes **kwargs). Chat
-    prompts: `prompts` are the dataset's message lists and each completion is
-    [{"role": "assistant", "content": text}]."""
-    prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
-    if not isinstance(prompts[0], str):  # conversational
-        completions = [[{"role": "assistant", "content": c}] for c in completions]
-    kwargs = {k: [r[k] for r in rows] for k in rows[0]
-              if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
-    kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(**kwargs)
 
 
 def load_rows(args):
@@ -1746,6 +1707,52 @@ def check_output_head(model):
                            "there")
 
 
+def lm_logits(model, hidden):
+    # z = lm_head(h), then what the model's own forward applies after it: Cohere z * logit_scale,
+    # Granite z / logits_scaling, Gemma-2/3 cap * tanh(z / cap); check_output_head() refuses others
+    config = model.config.get_text_config()
+    z = model.get_output_embeddings()(hidden)
+    if getattr(config, "logit_scale", None) is not None:
+        z = z * config.logit_scale
+    if getattr(config, "logits_scaling", None) is not None:
+        z = z / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):
+        z = torch.tanh(z / config.final_logit_softcapping) * config.final_logit_softcapping
+    return z
+
+
+class Fp32Linear(torch.nn.Linear):
+    """--cast_lm_head_to_fp32: the model's own lm_head, its matmul in fp32 whatever autocast says:
+    z = float(h) @ float(W)^T. Under bf16 autocast a plain Linear rounds h and W to bf16 (8 bits of
+    mantissa) before the [., V] matmul: the largest source of sampler/trainer mismatch. Being the
+    model's head, generate and lm_logits both use it; parameters and state_dict keys are the
+    Linear's (an HF checkpoint still; a tied head stays tied)."""
+    def forward(self, hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def cast_lm_head_to_fp32(model):
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:  # a subclass's own forward would be lost
+        raise TrainerError(f"--cast_lm_head_to_fp32: {type(model).__name__}'s lm_head is a "
+                           f"{type(head).__name__}, not a torch.nn.Linear")
+    head.__class__ = Fp32Linear  # the same module and parameters, an fp32 forward
+    return model
+
+
+# The largest tensor of a step is one chunk's logits, [tokens, V]: bounded in bytes, it does not
+# grow with the vocabulary (a fixed token count would be 622 MB at 1,024 x 151,936 in fp32, 2.5x
+# that with its gradient)
+LOGITS_BUDGET_MIB = 64
+
+
+def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
+    # tokens = budget / (V x 4 bytes of fp32 logits), at least 1
+    return max(1, budget_mib * 2**20 // (vocab_size * 4))
+
+
 def disable_dropout(model):
     """RL scores the policy that sampled: dropout would make log-probs noisy (ratio != 1 and KL != 0
     at equal weights), so every dropout probability is set to 0 (module attributes only; the saved
@@ -1756,36 +1763,6 @@ def disable_dropout(model):
         for name, value in list(vars(module).items()):
             if "dropout" in name and isinstance(value, float):
                 setattr(module, name, 0.0)
-
-
-def frozen_copy(policy, dtype):
-    """The reference model: a frozen copy of the policy as it is now, unsharded, that computes
-    exactly what the policy computes at equal weights. Under autocast the policy's Linear layers
-    read a --dtype copy of their fp32 weights; the reference stores just that copy (2 bytes per
-    parameter in bf16) and keeps everything else as the policy has it: embeddings (and an lm_head
-    tied to them), norms, MoE expert tensors and buffers such as RoPE's inv_freq stay fp32. Casting
-    the whole copy instead (`.to(bf16)`) rounds inv_freq, the residual stream and the norms: a
-    reference that never existed, and KL != 0 at step 1. Under FSDP the policy's parameters all
-    arrive in --dtype (its MixedPrecisionPolicy), so the reference's all are."""
-    import copy
-    if not is_fsdp(policy):
-        ref = copy.deepcopy(policy).eval().requires_grad_(False)
-        embedding = ref.get_input_embeddings().weight
-        for module in ref.modules():
-            # a tied head stays fp32, and an fp32 head (--cast_lm_head_to_fp32) too
-            if (isinstance(module, torch.nn.Linear) and module.weight is not embedding
-                    and not isinstance(module, Fp32Linear)):
-                module.to(dtype)
-        return ref
-    from transformers import AutoModelForCausalLM
-    full = full_state_dict(policy, every_rank=True)
-    ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
-    disable_dropout(ref)
-    ref.load_state_dict(full)
-    # FSDP's mixed precision gathers every parameter in --dtype (buffers stay fp32)
-    for p in ref.parameters():
-        p.data = p.data.to(dtype)
-    return ref.eval().requires_grad_(False)
 
 
 def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
@@ -1877,6 +1854,11 @@ def autocast(args, device):
     return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
 
 
+# GradScaler halves an fp16 loss scale on each overflow, here never below this one: an overflow at
+# scale 1 is the gradient's own, not the scale's
+MIN_LOSS_SCALE = 1.0
+
+
 def use_static_cache(args, device):
     on_cuda = torch.device(device).type == "cuda"
     return args.rollout_cache == "static" or (args.rollout_cache == "auto" and on_cuda)
@@ -1927,6 +1909,30 @@ def full_state_dict(model, every_rank=False):
 def barrier():
     if dist.is_initialized():
         dist.barrier()
+
+
+def world_sum(*values, device="cpu"):
+    """Sum float values over all ranks (identity in a single process)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def world_max(*values, device="cpu"):
+    """The largest of each rank's value, value by value, in one all-reduce (identity in a single
+    process)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def world_std(values, device="cpu"):
+    # std (n - 1) of all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in fp64
+    s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(),
+                         device=device)
+    return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2253,6 +2259,3 @@ def cli(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
-
-if __name__ == "__main__":
-    sys.exit(cli())
