@@ -1,29 +1,27 @@
 """GRPO in one file: rollout -> reward -> advantage -> log-probs -> loss -> update, then the loop.
 
-The algorithmic choices, in the order of one step (`grpo_step`; the README's "The math"):
-  1. Sample G completions per prompt with `model.generate` (the torch engine). The rollout applies
-     the sampling distribution itself and keeps the sampler's log-prob of every token it drew.
-  2. Score each completion with plain-Python rewards, per sample or TRL's batched form (None: does
-     not apply); A = (r - mean of its group) / (std of its group + 1e-4). No value network: the
-     group is the baseline.
-  3. Old and reference log-probs are detached tensors; current log-probs come from a fresh forward
-     through the DDP wrapper, chunked through lm_head so [rows, T, vocab] logits never exist.
-  4. The clipped-ratio objective under four normalizations (grpo, bnpo, dr_grpo, dapo), with a
-     ratio per token or one per sequence (GSPO), or cispo's capped-weight REINFORCE objective;
-     optional k3 KL to a frozen reference; optional tis/mis correction of the sampler/trainer
-     mismatch. With top-k/top-p the ratio and the KL score the truncated distributions that sample
-     (each model its own), the entropy the full one.
-  5. Entropy is logged without a graph; an optional entropy bonus has an adaptive coefficient that
-     is one world number on every rank.
-  6. With the defaults (mu = 1 update per rollout, beta = 0, no entropy bonus) the ratio is exactly
-     1 and never clips: the update is REINFORCE with the group mean as baseline (scaled by the
-     group's std), gradient -A * grad logp per token, averaged per sequence (--loss_type grpo).
-     Clipping acts only when mu > 1 (--num_iterations).
-  7. Master weights and AdamW state stay fp32; forward, backward and rollout compute in --dtype
-     under autocast (fp16 with dynamic loss scaling), the lm_head optionally in fp32.
-  8. A row whose advantage is 0 (its group's rewards all tie) skips its log-prob forwards and its
-     backward where that leaves the update as it is (beta = 0, no entropy bonus, no MoE, not bnpo):
-     the divisors stay the step's. A step where every group ties steps AdamW on zero gradients.
+One step (`grpo_step`), in the stages of the README's "The math", each a labelled block there:
+  1. Prompts: B per rank, each repeated G times (a group), left-padded, left-truncated.
+  2. Rollout: G completions per prompt from `model.generate`, which samples from the distribution
+     the rollout applies itself and keeps the sampler's log-prob of every token it drew.
+  3. Reward: plain-Python rewards, per sample or TRL's batched form (None: does not apply).
+  4. Advantage: A = (r - mean of its group) / (std of its group + 1e-4). No value network.
+  5-6. Reference (beta > 0) and old (mu > 1) log-probs: detached tensors, no graph.
+  7. Current log-probs: a fresh forward through the DDP wrapper, chunked through lm_head so
+     [rows, T, vocab] logits never exist. With top-k/top-p every model scores the truncated
+     distribution that sampled; the entropy is the full one's.
+  8. The per-token objective: the clipped ratio (per token, or per sequence: GSPO) or cispo's
+     capped-weight REINFORCE, + beta k3 KL, times an optional tis/mis mismatch weight.
+  9. Normalization: grpo, bnpo, dr_grpo, dapo, cispo.
+  10-11. Entropy: logged without a graph; an optional bonus with an adaptive coefficient, one
+     world number on every rank, set after the update for the next step.
+  12. MoE: the router's load-balancing loss.
+  13. Update: backward over micro-batches, clip, AdamW (fp32 master weights, compute in --dtype
+     under autocast, fp16 with loss scaling), the learning-rate schedule.
+  14. Log (and, in the loop, save).
+With the defaults (mu = 1, beta = 0, no entropy bonus) the ratio is exactly 1 and never clips: the
+update is REINFORCE with the group mean as baseline. Rows whose advantage is 0 skip their
+forwards and backward where that leaves the update as it is (README: Work without a gradient).
 
     python train_grpo.py                                        # offline: tiny model, built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo CPU, nccl GPU)
@@ -194,11 +192,17 @@ class Args:
     run_name: str = opt("", "name of the run in wandb/tensorboard; empty: the save_dir's name")
 
 
-# defaults sized for compare_numbers on a 2-core CPU (a flag given on the command line wins)
+# Effective defaults. A task's own sizes replace Args' defaults (a flag given on the command line
+# wins; --help and the start of a run print them): compare_numbers, sized for a 2-core CPU
 TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, num_generations=8, max_gen_len=8,
-                                       max_prompt_len=128,
-                                       learning_rate=2e-5, max_steps=40, eval_interval=10,
-                                       eval_size=200)}
+                                         max_prompt_len=128, learning_rate=2e-5, max_steps=40,
+                                         eval_interval=10, eval_size=200)}
+
+
+def default_epsilon_high(loss_type, epsilon):
+    # --epsilon_high -1: the clip's upper offset (ratio <= 1 + eps_h) is epsilon; cispo's weight
+    # cap (min(r, eps_h): the cap itself, not an offset) is 5.0
+    return 5.0 if loss_type == "cispo" else epsilon
 
 
 # ==================================================================================================
@@ -278,9 +282,10 @@ def grpo_step(args, run, rows, state):
     ref_logps, old_logps = reference_and_old_logps(run, args, input_ids, attention_mask, T, kept)
     num_items = world_sum(mask.sum().item(), device=device)[0]   # N: masked tokens, all ranks
 
-    # 7-13. mu updates per rollout, each: current log-probs through the wrapper (7), the per-token
-    # objective with the alpha set after the previous step (8-11), the MoE router loss (12),
-    # backward, clip, AdamW (13)
+    # mu updates per rollout, each:
+    # 7-12. per micro-batch (accumulate_gradients): current log-probs through the wrapper (7), the
+    # per-token objective with the alpha set after the previous step (8-11), the MoE router
+    # loss (12), backward
     batch = dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
                  advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
                  sampler_logps=sampler_logps, num_items=num_items, kept=kept)
@@ -290,9 +295,10 @@ def grpo_step(args, run, rows, state):
         sums = accumulate_gradients(run, batch, args, state.entropy_coef_applied, with_entropy)
         if it == 0:  # the policy that sampled: its entropy and its mismatch with the sampler
             first = sums
+        # 13. unscale (fp16), clip the global grad norm, AdamW (a non-finite step is skipped)
         grad_norm = clipped_optimizer_step(run, args.grad_clip, sums["loss"], state)
 
-    # after the update: step 11's rule sets the next step's alpha from one world entropy (a sum
+    # 11, after the update: its rule sets the next step's alpha from one world entropy (a sum
     # and a count, of the policy that sampled, over the rows trained: all of them when adaptive),
     # so every rank holds the same c
     state.world_entropy = world_mean(first["entropy_sum"], first["tokens"], device=device)
@@ -303,7 +309,7 @@ def grpo_step(args, run, rows, state):
             delta=args.entropy_coef_delta, coef_min=args.entropy_coef_min,
             coef_max=args.entropy_coef_max)
 
-    # log: world values (sums and counts over the ranks, or the world's min and max)
+    # 14. log: world values (sums and counts over the ranks, or the world's min and max)
     record = step_metrics(run, state, rewards, advantages, mask, truncated, sums, first,
                           n_cut // G, G, num_items)
     dt = time.time() - t0
@@ -771,8 +777,9 @@ def completion_mask(completion_ids, eos_token_id):
 def selective_log_softmax(logits, index):
     # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax
     # (the caller's chunk bounds the logits in bytes)
-    z = logits.float()
-    return z.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    z = logits.reshape(-1, logits.shape[-1]).float()                                # [N, V]
+    logps = z.gather(-1, index.reshape(-1, 1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return logps.view(index.shape)
 
 
 def entropy_from_logits(logits, chunk_size=128):
@@ -995,6 +1002,8 @@ def train(args, rank, world, device):
     if master:
         print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never "
               "trained on")
+        for name in TASK_DEFAULTS.get(args.dataset, {}):  # the values in effect
+            print(f"--dataset {args.dataset}: --{name} {getattr(args, name)}")
     if not eval_rows and args.eval_interval > 0:  # an empty test split, a file of < 10 rows
         args.eval_interval = 0
         if master:
@@ -1036,11 +1045,7 @@ def train(args, rank, world, device):
             print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are "
                   "left-truncated")
             warned_cut = True
-        if state.bad_in_a_row >= 3:
-            last = find_checkpoint(args.save_dir) or "none"
-            raise TrainerError(f"step {step}: loss not finite, or gradients overflowing at the "
-                               f"smallest loss scale, for 3 steps in a row; stopping (last good "
-                               f"checkpoint: {last})")
+        stop_if_failing(args, state, step)
         if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
             record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world,
                                         device)
@@ -1165,8 +1170,11 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser(defaults=True):
     """One flag per Args field, in the groups Args' comments name; --help shows each default."""
+    tasks = "; ".join(f"--dataset {k}: " + ", ".join(f"--{n} {v}" for n, v in d.items())
+                      for k, d in TASK_DEFAULTS.items())
     parser = OneLineParser(description="GRPO trainer: one file, every formula tested (README.md)",
-                           formatter_class=DefaultsHelp)
+                           formatter_class=DefaultsHelp,
+                           epilog=f"a task's own defaults (a flag given wins): {tasks}")
     fields, group = {f.name: f for f in dataclasses.fields(Args)}, parser
     for line in inspect.getsource(Args).splitlines():
         comment, name = re.fullmatch(r"    # (.+)", line), re.match(r"    (\w+): \w+ = opt\(", line)
@@ -1194,7 +1202,7 @@ def parse_args(argv=None):
     for problem in check_args(args):
         parser.error(problem)
     if args.epsilon_high == -1.0:
-        args.epsilon_high = 5.0 if args.loss_type == "cispo" else args.epsilon
+        args.epsilon_high = default_epsilon_high(args.loss_type, args.epsilon)
     return args
 
 
@@ -1906,6 +1914,14 @@ def full_state_dict(model, every_rank=False):
     return get_model_state_dict(model, options=options)
 
 
+def stop_if_failing(args, state, step):
+    if state.bad_in_a_row >= 3:
+        last = find_checkpoint(args.save_dir) or "none"
+        raise TrainerError(f"step {step}: loss not finite, or gradients overflowing at the "
+                           f"smallest loss scale, for 3 steps in a row; stopping (last good "
+                           f"checkpoint: {last})")
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -2259,3 +2275,7 @@ def cli(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
