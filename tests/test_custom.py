@@ -160,7 +160,8 @@ def test_summary_line_and_eval_size_caps_a_test_split(tmp_path, model_dir, capsy
         finally:
             evaluating.pop()
     monkeypatch.setattr(tg, "evaluate", evaluate)
-    monkeypatch.setattr(tg, "gsm8k_correct_reward", lambda c, a: (evaluating and scored.append(a)) or real(c, a))
+    monkeypatch.setattr(tg, "gsm8k_correct_reward",   # a reward: called with the names it takes
+                        lambda completion, answer: (evaluating and scored.append(answer)) or real(completion, answer))
     tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", "someone/gsm8k-like", "--max_steps", "2",
                     "--eval_interval", "2", "--eval_size", "5", "--save_dir", str(tmp_path)])
     assert len(scored) == 2 * 5                                   # before and after, 5 of the 24 test problems
