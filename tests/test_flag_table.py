@@ -299,7 +299,7 @@ def test_held_out_evaluation_decodes_greedily():
     model, tok = tiny(seed=2)
     rows = [{"prompt": p, "answer": ""} for p in ("abc=", "hgfedcba=", "ba=", "cabde=")]
     texts = []
-    tg.evaluate(model, tok, rows, lambda text, row: texts.append(text) or 0.0, tg.Args(max_gen_len=4), 0, 1, "cpu")
+    tg.evaluate(model, tok, rows, lambda t, r, ids: texts.extend(t) or [0.0] * len(t), tg.Args(max_gen_len=4), 0, 1, "cpu")
     for row, text in zip(rows, texts):  # by hand: append the argmax token, one at a time, until EOS
         ids = tok(row["prompt"], add_special_tokens=False, return_tensors="pt").input_ids
         out = []

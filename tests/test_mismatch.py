@@ -36,10 +36,11 @@ def starting_model(args):
 
 
 def captured_step(monkeypatch, **flags):
-    """one_step (the trainer's built-in model, 2 prompts x 4) with the rollout's outputs captured."""
+    """one_step (the trainer's built-in model, 2 prompts x 4) with the rollout's outputs captured. Every row
+    is trained (the mismatch metrics cover the rows trained on; here the tests compare them with all rows)."""
     seen, real = [], tg.rollout
     monkeypatch.setattr(tg, "rollout", lambda *a, **k: seen.append((a, real(*a, **k))) or seen[-1][1])
-    run = one_step(**flags)
+    run = one_step(**{"skip_zero_advantage_rows": 0, **flags})
     (policy, prompt_ids, prompt_mask, *_), (comp, mask, _, sampler_logps) = seen[0]
     return run, prompt_ids, prompt_mask, comp, mask, sampler_logps
 

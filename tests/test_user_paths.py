@@ -285,6 +285,6 @@ def test_evaluation_without_held_out_prompts_is_refused_or_said(tmp_path, capsys
     tg.main([*REAL[:-2], "--eval_interval", "1", "--model_name_or_path", str(model_dir), "--dataset",
              str(tmp_path / "six.jsonl"), "--max_steps", "1", "--save_dir", str(tmp_path / "run")])
     out = capsys.readouterr().out
-    assert "no held-out set" in out and "no held-out eval" in out
+    assert "no held-out prompts" in out and "no held-out eval" in out
     rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r for r in rows if "eval_accuracy" in r] == []
