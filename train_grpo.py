@@ -1002,8 +1002,9 @@ def train(args, rank, world, device):
     if master:
         print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never "
               "trained on")
-        for name in TASK_DEFAULTS.get(args.dataset, {}):  # the values in effect
-            print(f"--dataset {args.dataset}: --{name} {getattr(args, name)}")
+        if args.dataset in TASK_DEFAULTS:  # the values in effect
+            print(f"--dataset {args.dataset} in effect (its own defaults; a flag given wins): "
+                  + ", ".join(f"--{n} {getattr(args, n)}" for n in TASK_DEFAULTS[args.dataset]))
     if not eval_rows and args.eval_interval > 0:  # an empty test split, a file of < 10 rows
         args.eval_interval = 0
         if master:

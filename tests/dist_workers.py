@@ -178,6 +178,7 @@ def eval_uneven(rank, world, out_dir):
     dist.all_gather_object(gathered, scored)
     torch.save({"accuracy": acc, "scored": sorted(gathered[0] + gathered[1])},
                os.path.join(out_dir, f"eval_{rank}.pt"))
+    dist.barrier()  # neither rank tears the group down while the other is still in it
     dist.destroy_process_group()
 
 
