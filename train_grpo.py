@@ -8,16 +8,17 @@ One step (`grpo_step`), in the stages of the README's "The math", each a labelle
   4. Advantage: A = (r - mean of its group) / (std of its group + 1e-4). No value network.
   5-6. Reference (beta > 0) and old (mu > 1) log-probs: detached tensors, no graph.
   7. Current log-probs: a fresh forward through the DDP wrapper, chunked through lm_head so
-     [rows, T, vocab] logits never exist. With top-k/top-p every model scores the truncated
-     distribution that sampled; the entropy is the full one's.
+     [rows, T, vocab] logits never exist. With top-k/top-p and --sampling_replay 1 every model
+     scores the truncated distribution that sampled; the entropy is the full one's.
   8. The per-token objective: the clipped ratio (per token, or per sequence: GSPO) or cispo's
-     capped-weight REINFORCE, + beta k3 KL, times an optional tis/mis mismatch weight.
+     capped-weight REINFORCE, its policy term times an optional tis/mis mismatch weight, + beta
+     k3 KL.
   9. Normalization: grpo, bnpo, dr_grpo, dapo, cispo.
   10-11. Entropy: logged without a graph; an optional bonus with an adaptive coefficient, one
      world number on every rank, set after the update for the next step.
   12. MoE: the router's load-balancing loss.
   13. Update: backward over micro-batches, clip, AdamW (fp32 master weights, compute in --dtype
-     under autocast, fp16 with loss scaling), the learning-rate schedule.
+     under autocast, fp16 with loss scaling); the loop then steps the learning-rate schedule.
   14. Log (and, in the loop, save).
 With the defaults (mu = 1, beta = 0, no entropy bonus) the ratio is exactly 1 and never clips: the
 update is REINFORCE with the group mean as baseline. Rows whose advantage is 0 skip their
@@ -92,7 +93,8 @@ class Args:
                             "f(prompts, completions, completion_ids, **columns) -> list "
                             "(recognised by a parameter named 'completions'); None: does not "
                             "apply; empty: the task's own")
-    reward_weights: str = opt("", "comma-separated weight per reward function; empty: task default")
+    reward_weights: str = opt("", "comma-separated weight per reward function; empty: the task's "
+                              "own (1.0 each with --reward_funcs)")
     trust_remote_code: int = opt(0, "1: let from_pretrained run code shipped with the model",
                                  choices=(0, 1))
     # rollout
@@ -147,7 +149,7 @@ class Args:
     entropy_coef_min: float = opt(0.0, "adaptive: lower bound of the coefficient")
     entropy_coef_max: float = opt(0.005, "adaptive: upper bound of the coefficient")
     # optimization
-    max_steps: int = opt(200, "GRPO optimizer steps")
+    max_steps: int = opt(200, "GRPO steps (each makes --num_iterations optimizer updates)")
     learning_rate: float = opt(2e-4, "AdamW learning rate of the GRPO updates")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     lr_scheduler: str = opt("constant", "constant or cosine, after linear warmup",
@@ -171,9 +173,10 @@ class Args:
     save_dir: str = opt("runs/grpo", "metrics.jsonl, checkpoints and the final model go here")
     save_interval: int = opt(0, "write checkpoint-<step> every N steps; 0: only at the end")
     resume: str = opt("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
-    eval_interval: int = opt(50, "held-out greedy accuracy every N steps (and before/after "
-                             "training); 0: off")
-    eval_size: int = opt(256, "held-out prompts (built-in task, or files without a test split)")
+    eval_interval: int = opt(50, "held-out greedy accuracy (eval_reward with --reward_funcs) "
+                             "every N steps (and before/after training); 0: off")
+    eval_size: int = opt(256, "held-out prompts: the built-in tasks', the first rows of a file "
+                         "without a test split, or at most this many of a test split")
     dtype: str = opt("float32", "compute dtype: weights and AdamW state stay float32, forward and "
                      "rollout run under autocast in this dtype",
                      choices=("float32", "bfloat16", "float16"))
@@ -1000,16 +1003,9 @@ def train(args, rank, world, device):
     task = load_task(args, tokenizer, world)
     train_rows, eval_rows, reward_fns, weights, (eval_key, score) = task
     if master:
-        print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never "
-              "trained on")
-        if args.dataset in TASK_DEFAULTS:  # the values in effect
-            print(f"--dataset {args.dataset} in effect (its own defaults; a flag given wins): "
-                  + ", ".join(f"--{n} {getattr(args, n)}" for n in TASK_DEFAULTS[args.dataset]))
-    if not eval_rows and args.eval_interval > 0:  # an empty test split, a file of < 10 rows
+        describe_task(args, train_rows, eval_rows)
+    if not eval_rows:  # an empty test split, or a file of fewer than 10 rows: nothing to evaluate
         args.eval_interval = 0
-        if master:
-            print("no held-out prompts (an empty test split, or a file of fewer than 10 rows): "
-                  "no evaluation")
     sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
                                  shuffle=True, seed=args.seed, drop_last=True)
     model = policy
@@ -1392,9 +1388,9 @@ def gsm8k_format_reward(completion, answer):
 
 # compare_numbers: the built-in task for a real instruct model ("--dataset compare_numbers"). A chat
 # prompt asks which of two 2-digit numbers is larger and for the number alone. SmolLM2-135M-Instruct
-# answers the question in prose or gets it wrong (greedy: ~8% correct), yet one of 8 samples is
-# right for ~65% of the prompts: the groups carry signal, and GRPO turns it into a short, right
-# answer. The held-out split holds pairs never trained on.
+# answers the question in prose or gets it wrong (greedy: 1% of the held-out questions answered
+# as asked), yet one of 8 samples is right for ~65% of the prompts: the groups carry signal, and
+# GRPO turns it into a short, right answer. The held-out split holds pairs never trained on.
 COMPARE_NUMBERS = "compare_numbers"
 
 
@@ -2155,6 +2151,18 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
 # --------------------------------------------------------------------------------------------------
 # Evaluation and reporting
 # --------------------------------------------------------------------------------------------------
+def describe_task(args, train_rows, eval_rows):
+    """What the run trains on, said as it starts: the split, a task's defaults in effect."""
+    print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never trained "
+          "on")
+    if args.dataset in TASK_DEFAULTS:
+        print(f"--dataset {args.dataset} in effect (its own defaults; a flag given wins): "
+              + ", ".join(f"--{n} {getattr(args, n)}" for n in TASK_DEFAULTS[args.dataset]))
+    if not eval_rows and args.eval_interval > 0:
+        print("no held-out prompts (an empty test split, or a file of fewer than 10 rows): no "
+              "evaluation")
+
+
 @torch.no_grad()
 def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=256):
     """Mean over the held-out rows, all ranks together, of score(texts, rows, completion_ids): one
