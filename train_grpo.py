@@ -594,10 +594,7 @@ def accumulate_gradients(run, batch, args, entropy_coef, with_entropy=True):
         idx = kept[m * micro:(m + 1) * micro]
         stand_in = len(idx) == 0  # this rank is out of rows: one row, whose loss is 0 x logp
         idx = kept.new_zeros(1) if stand_in else idx
-        if isinstance(model, DDP):
-            model.require_backward_grad_sync = m == S - 1
-        elif is_fsdp(model):  # FSDP: accumulate unsharded gradients, reduce-scatter on the last
-            model.set_requires_gradient_sync(m == S - 1)
+        sync_gradients(model, m == S - 1)  # DDP/FSDP reduce the gradients on the last only
         # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper; entropy in the graph only
         # if a bonus uses it
         with autocast(args, batch["input_ids"].device):
@@ -911,9 +908,7 @@ def clipped_optimizer_step(run, grad_clip, loss, state):
         scale_can_drop = scaler.is_enabled() and scaler.get_scale() > MIN_LOSS_SCALE
         if bad_loss or not scale_can_drop:
             state.bad_in_a_row += 1
-        if scaler.is_enabled():  # every rank lowers its scale alike (its own check may see no inf)
-            scaler.update(max(scaler.get_scale() * scaler.get_backoff_factor(), MIN_LOSS_SCALE))
-            scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
+        lower_loss_scale(scaler)  # fp16: halved on every rank alike
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
@@ -939,9 +934,11 @@ def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_ma
 def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, prompts_cut, G,
                  num_items):
     """The step's record: world values (sums and counts over ranks, or the world's min and max).
-    entropy, clip_ratio and the sampler mismatch cover the rows trained on (rows_trained, all
-    ranks; all rows unless zero-advantage rows are skipped); a step that trains none leaves them
-    out."""
+    With mu > 1 it mixes two updates: loss, policy_loss, kl, clip_ratio and grad_norm are the last
+    update's (`sums`), entropy and the sampler mismatch the first's (`first`: the policy that
+    sampled). entropy, clip_ratio and the sampler mismatch cover the rows trained on (rows_trained,
+    all ranks; all rows unless zero-advantage rows are skipped); a step that trains no token leaves
+    them out."""
     world, device = run.world, run.device
     grouped = rewards.view(-1, G)
     zero_std = (grouped.amax(1) == grouped.amin(1)).float().mean()  # groups whose rewards all tie
@@ -1898,6 +1895,23 @@ def shard_fsdp(model, args, world):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def sync_gradients(model, on):
+    """Gradient accumulation: DDP all-reduces, FSDP reduce-scatters, only in a backward with on."""
+    if isinstance(model, DDP):
+        model.require_backward_grad_sync = on
+    elif is_fsdp(model):  # FSDP accumulates unsharded gradients until then
+        model.set_requires_gradient_sync(on)
+
+
+def lower_loss_scale(scaler):
+    """fp16, on a skipped update: every rank halves its scale alike (its own check may have seen no
+    inf), never below MIN_LOSS_SCALE, and restarts GradScaler's count of good steps toward
+    doubling it. Inert without loss scaling."""
+    if scaler.is_enabled():
+        scaler.update(max(scaler.get_scale() * scaler.get_backoff_factor(), MIN_LOSS_SCALE))
+        scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
 
 
 def full_state_dict(model, every_rank=False):
