@@ -9,6 +9,13 @@ import torch.distributed as dist
 from helpers import make_run, sample_batch, tg, tiny
 
 
+def close_group():
+    """Every worker's last act, as the trainer's own end (train: barrier, then main destroys the group):
+    no rank tears the group down while the other is still in it."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def train(rank, world, argv, out_dir, bypass_ddp=False):
     """Run the real trainer on this rank; save what must agree across ranks."""
     if bypass_ddp:  # the famous bug: the graph forward goes through model.module, skipping the all-reduce
@@ -38,7 +45,7 @@ def entropy_world(rank, world, out_dir, steps=6):
         coef, applied = tg.update_entropy_coef(coef, h_w, target=0.2, delta=0.001, coef_min=0.0, coef_max=0.004)
         log.append({"sum": local_sum, "count": local_count, "coef": coef, "applied": applied})
     json.dump(log, open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
-    dist.destroy_process_group()
+    close_group()
 
 
 def moe_empty_expert(rank, world, out_dir):
@@ -60,7 +67,7 @@ def moe_empty_expert(rank, world, out_dir):
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     torch.save({"params": model.state_dict(), "used": sorted(used), "router_grad": router_grad},
                os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
 
 
 def batch_std_world(rank, world, out_dir):
@@ -70,7 +77,7 @@ def batch_std_world(rank, world, out_dir):
     std = tg.world_std(rewards)
     adv = tg.compute_advantages(rewards, 4, "batch", std)
     torch.save({"rewards": rewards, "std": std, "adv": adv}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
 
 
 def loop_step_grads(rank, world, out_dir):
@@ -98,7 +105,7 @@ def loop_step_grads(rank, world, out_dir):
         out[loss_type] = {"grads": seen["grads"], "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                           "comp": comp, "mask": mask, "answers": [r["answer"] for r in rows for _ in range(4)]}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
 
 
 def train_and_capture(rank, world, runs, out_dir):
@@ -159,7 +166,7 @@ def micro_batch_world(rank, world, out_dir):
     tg.accumulate_gradients(make_run(DDP(model), world=world), batch, args, 0.0)
     tg.completion_logps = real
     torch.save(seen[0], os.path.join(out_dir, f"micro_{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
 
 
 def eval_uneven(rank, world, out_dir):
@@ -178,8 +185,7 @@ def eval_uneven(rank, world, out_dir):
     dist.all_gather_object(gathered, scored)
     torch.save({"accuracy": acc, "scored": sorted(gathered[0] + gathered[1])},
                os.path.join(out_dir, f"eval_{rank}.pt"))
-    dist.barrier()  # neither rank tears the group down while the other is still in it
-    dist.destroy_process_group()
+    close_group()
 
 
 def fp16_skip(rank, world, out_dir, mode="ddp"):
@@ -214,4 +220,4 @@ def fp16_skip(rank, world, out_dir, mode="ddp"):
     tg.accumulate_gradients = real
     out["params"] = {k: v.clone() for k, v in tg.full_state_dict(wrapped, every_rank=True).items()}
     torch.save(out, os.path.join(out_dir, f"fp16_{mode}_{rank}.pt"))
-    dist.destroy_process_group()
+    close_group()
