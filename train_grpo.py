@@ -775,8 +775,9 @@ def completion_mask(completion_ids, eos_token_id):
 
 
 def selective_log_softmax(logits, index):
-    # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax
-    # (the caller's chunk bounds the logits in bytes)
+    # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax.
+    # One temporary the size of z: the caller's chunk bounds it (auto: LOGITS_BUDGET_MIB of fp32
+    # logits; --logp_chunk_size N: N tokens)
     z = logits.reshape(-1, logits.shape[-1]).float()                                # [N, V]
     logps = z.gather(-1, index.reshape(-1, 1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return logps.view(index.shape)
