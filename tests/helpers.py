@@ -3,6 +3,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -55,16 +57,34 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args):
+def _entry(rank, world, port, fn, args, done_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     fn(rank, world, *args)
+    # The ranks leave together, and without the interpreter's teardown. Rank 0 hosts the rendezvous
+    # store (torchrun's agent hosts it for the trainer), and a gloo or store thread still running
+    # when its peer's process is gone can abort (SIGABRT) a worker that did everything right.
+    open(os.path.join(done_dir, str(rank)), "w").close()
+    deadline = time.time() + 120
+    while len(os.listdir(done_dir)) < world and time.time() < deadline:
+        time.sleep(0.05)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def spawn(fn, *args, world=2):
-    """Run fn(rank, world, *args) in `world` processes with the env:// variables torchrun would set."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+def spawn(fn, *args, world=2, timeout=600):
+    """Run fn(rank, world, *args) in `world` processes with the env:// variables torchrun would set.
+    A rank that fails fails the test; ranks that hang (a collective one rank never joins) too."""
+    with tempfile.TemporaryDirectory() as done_dir:
+        ctx = mp.spawn(_entry, args=(world, free_port(), fn, args, done_dir), nprocs=world, join=False)
+        deadline = time.time() + timeout
+        while not ctx.join(timeout=2):
+            if time.time() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"the ranks hung for {timeout} s")
 
 
 def tiny(use_moe=0, seed=0):

@@ -3,11 +3,9 @@ and the update is the one without skipping (README: Work without a gradient)."""
 import json
 import math
 import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import helpers
 from helpers import tg, tiny
@@ -128,23 +126,12 @@ def two_ranks(rank, world, out_dir, skip, reward_path, reward, extra):
                 "forwards": forwards[0]}, os.path.join(out_dir, f"skip{skip}_rank{rank}.pt"))
 
 
-def spawn_or_fail(fn, *args, timeout=240):
-    """helpers.spawn, but a hang (a collective one rank never joins) fails the test instead of blocking it."""
-    ctx = mp.spawn(helpers._entry, args=(2, helpers.free_port(), fn, args), nprocs=2, join=False)
-    deadline = time.time() + timeout
-    while not ctx.join(timeout=2):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the ranks hung")
-
-
 @pytest.mark.parametrize("fsdp", [0, 1])
 def test_two_ranks_skipping_different_rows_match_the_run_without_skipping(tmp_path, fsdp):
     extra = ["--max_steps", "5", "--batch_size", "2", "--micro_batch_size", "4", "--loss_type", "dapo",
              "--num_iterations", "2", "--fsdp", str(fsdp)]
     for skip in (1, 0):
-        spawn_or_fail(two_ranks, str(tmp_path), skip, reward_file(tmp_path), "first_is_a", extra)
+        helpers.spawn(two_ranks, str(tmp_path), skip, reward_file(tmp_path), "first_is_a", extra, timeout=240)
     on = [torch.load(tmp_path / f"skip1_rank{r}.pt", weights_only=True) for r in (0, 1)]
     off = [torch.load(tmp_path / f"skip0_rank{r}.pt", weights_only=True) for r in (0, 1)]
     k0, k1 = on[0]["kept"], on[1]["kept"]
@@ -159,7 +146,7 @@ def test_two_ranks_skipping_different_rows_match_the_run_without_skipping(tmp_pa
 
 def test_two_ranks_where_every_group_ties_train_nothing_and_do_not_hang(tmp_path):
     extra = ["--max_steps", "2", "--batch_size", "2", "--weight_decay", "0.5"]
-    spawn_or_fail(two_ranks, str(tmp_path), 1, reward_file(tmp_path), "always_one", extra)
+    helpers.spawn(two_ranks, str(tmp_path), 1, reward_file(tmp_path), "always_one", extra, timeout=240)
     out = [torch.load(tmp_path / f"skip1_rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert out[0]["kept"] == out[1]["kept"] == [0, 0] and out[0]["forwards"] == out[1]["forwards"] == 0
     start = tiny(seed=0)[0].state_dict()
