@@ -237,6 +237,7 @@ class Run:
     model: torch.nn.Module       # the policy as the loss sees it: the DDP wrapper, or the policy
     ref_model: object            # frozen reference (beta > 0), else None
     optimizer: object
+    scheduler: object            # the learning-rate schedule (lr_factor)
     scaler: object               # torch.amp.GradScaler: loss scaling under fp16, else inert
     tokenizer: object
     reward_fns: list
@@ -249,6 +250,7 @@ def grpo_step(args, run, rows, state):
     """One step on this rank's B prompts (`run`: model, reference, optimizer, ...). Updates `state`
     in place and returns the step's metrics (world values)."""
     t0, G, policy, device = time.time(), args.num_generations, unwrap(run.model), run.device
+    lr = run.scheduler.get_last_lr()[0]                                  # this step's rate
     reset_peak_memory(device)
     # 1. prompts: each repeated G times so a group is contiguous; left-padded, left-truncated
     rows = [r for r in rows for _ in range(G)]
@@ -284,28 +286,89 @@ def grpo_step(args, run, rows, state):
     # mu > 1; else the loss uses logps.detach())
     ref_logps, old_logps = reference_and_old_logps(run, args, input_ids, attention_mask, T, kept)
     num_items = world_sum(mask.sum().item(), device=device)[0]   # N: masked tokens, all ranks
+    # S micro-batches of the kept rows on every rank (DDP all-reduces in the last, FSDP gathers in
+    # each): as many as the rank that keeps the most rows needs; 0: no rank keeps one
+    widest, most_kept = world_max(input_ids.shape[1], len(kept), device=device)
+    micro = args.micro_batch_size or auto_micro_batch(len(rows), widest, args)
+    S = math.ceil(most_kept / micro)
+    alpha, applied = state.entropy_coef_applied, False   # alpha: set after the previous step
 
-    # mu updates per rollout, each:
-    # 7-12. per micro-batch (accumulate_gradients): current log-probs through the wrapper (7), the
-    # per-token objective with the alpha set after the previous step (8-11), the MoE router
-    # loss (12), backward
-    batch = dict(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
-                 advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
-                 sampler_logps=sampler_logps, num_items=num_items, kept=kept)
-    for it in range(args.num_iterations):
-        # entropy: logged from the first update (the policy that sampled), or the bonus uses it
-        with_entropy = it == 0 or state.entropy_coef_applied != 0.0
-        sums = accumulate_gradients(run, batch, args, state.entropy_coef_applied, with_entropy)
+    for it in range(args.num_iterations):  # mu updates per rollout
+        sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
+                "entropy_sum": 0.0, "tokens": 0.0, "rows": len(kept)}
+        gaps, gap_masks = [sampler_logps[:0]], [mask[:0]]  # old - sampler logp, masks
+        for m in range(S):
+            idx = kept[m * micro:(m + 1) * micro]
+            stand_in = len(idx) == 0  # this rank is out of rows: one row, whose loss is 0 x logp
+            idx = kept.new_zeros(1) if stand_in else idx
+            sync_gradients(run.model, m == S - 1)  # DDP/FSDP reduce the gradients on the last only
+            # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper (its forward is what syncs
+            # the gradients); entropy logged from the first update (the policy that sampled), in
+            # the graph only if a bonus uses it
+            with autocast(args, device):
+                logps, entropy, aux = completion_logps(                           # [micro, T]
+                    run.model, input_ids[idx], attention_mask[idx], T,
+                    chunk_size=args.logp_chunk_size, entropy_grad=alpha != 0.0,
+                    entropy_chunk_size=args.entropy_chunk_size,
+                    with_entropy=it == 0 or alpha != 0.0, **scored_distribution(args))
+            if stand_in:  # the backward (and DDP's all-reduce) still runs, adding exactly 0
+                run.scaler.scale(0.0 * logps.sum()).backward()
+                continue
+            # on-policy old = logp.detach(): the ratio is 1 in value, its gradient dlogp (never
+            # exp(x - x) with both sides in the graph: its gradient is 0)
+            old = old_logps[idx] if old_logps is not None else logps.detach()
+            # the sampler's log-prob against the trainer's at the weights that sampled (old):
+            # rho = exp(old - sampler)
+            gaps.append(torch.where(mask[idx].bool(), old - sampler_logps[idx], 0.0))
+            gap_masks.append(mask[idx])
+            # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
+            # with the step's divisors (grpo, dr_grpo: its rows; dapo, cispo: its tokens N)
+            loss, stats = grpo_loss(
+                logps, old, advantages[idx], mask[idx], loss_type=args.loss_type,
+                epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                ref_logps=None if ref_logps is None else ref_logps[idx], beta=args.beta,
+                max_gen_len=args.max_gen_len, num_items=num_items, world_size=run.world,
+                entropy=entropy, entropy_coef=alpha, accum_steps=S, step_rows=len(rows),
+                is_weight=importance_weights(torch.exp(gaps[-1]), args.is_correction, args.is_cap),
+                importance_sampling_level=args.importance_sampling_level)
+            # 12. MoE: the router's load-balancing loss, times the config's coefficient
+            if aux is not None:
+                loss = loss + policy.config.router_aux_loss_coef * aux / S
+                sums["aux"] += aux.item() / S
+            # 13. backward: gradients add up over the micro-batches (fp16: loss x scale, so small
+            # gradients do not flush to 0)
+            run.scaler.scale(loss).backward()
+            tokens = mask[idx].sum().item()
+            for k, v in (("loss", loss.detach()), ("policy_loss", stats["policy_loss"]),
+                         ("tokens", tokens), ("kl_sum", stats.get("kl_sum", 0.0)),
+                         ("clip", stats["clip_ratio"] * tokens),
+                         ("entropy_sum", (entropy.detach() * mask[idx]).sum())):
+                sums[k] += float(v)
+        if S == 0:  # AdamW steps as it would after backward on rows with A = 0: on zero gradients
+            for p in policy.parameters():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
         if it == 0:  # the policy that sampled: its entropy and its mismatch with the sampler
-            first = sums
-        # 13. unscale (fp16), clip the global grad norm, AdamW (a non-finite step is skipped)
-        grad_norm = clipped_optimizer_step(run, args.grad_clip, sums["loss"], state)
+            first = dict(sums, gap=torch.cat(gaps), gap_mask=torch.cat(gap_masks))  # [trained, T]
+        # 13. unscale (fp16), clip the global grad norm, AdamW; a step whose loss or grad norm is
+        # not finite on any rank is skipped on every rank (update_is_finite: a world decision)
+        run.scaler.unscale_(run.optimizer)  # the true loss's gradients: the clip sees real values
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            policy.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
+            grad_norm = grad_norm.full_tensor()
+        if update_is_finite(run, state, sums["loss"], grad_norm):
+            run.scaler.step(run.optimizer)  # optimizer.step(), the gradients unscaled
+            run.scaler.update()
+            applied = True
+        run.optimizer.zero_grad(set_to_none=True)
+    # 13. the schedule moves once per step that applied an update (a skipped one leaves it)
+    if applied:
+        run.scheduler.step()
 
     # 11, after the update: its rule sets the next step's alpha from one world entropy (a sum
     # and a count, of the policy that sampled, over the rows trained: all of them when adaptive),
     # so every rank holds the same c
     state.world_entropy = world_mean(first["entropy_sum"], first["tokens"], device=device)
-    coef_used = state.entropy_coef_applied
     if args.use_adaptive_entropy:
         state.entropy_coef, state.entropy_coef_applied = update_entropy_coef(
             state.entropy_coef, state.world_entropy, target=args.entropy_target,
@@ -316,7 +379,7 @@ def grpo_step(args, run, rows, state):
     record = step_metrics(run, state, rewards, advantages, mask, truncated, sums, first,
                           n_cut // G, G, num_items)
     dt = time.time() - t0
-    record.update(entropy_coef_applied=coef_used, grad_norm=grad_norm.item(), step_time=dt,
+    record.update(entropy_coef_applied=alpha, grad_norm=grad_norm.item(), lr=lr, step_time=dt,
                   generate_time=gen_time, generate_share=gen_time / dt,
                   tokens_per_s=num_items / dt, peak_mem_gib=peak_memory_gib(device))
     if run.scaler.is_enabled():
@@ -572,75 +635,6 @@ def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept):
     return out
 
 
-def accumulate_gradients(run, batch, args, entropy_coef, with_entropy=True):
-    """Steps 7-12 over S micro-batches of the kept rows (batch["kept"], default all): current
-    log-probs through `run.model` (the DDP wrapper), the loss, backward. Gradients add up over
-    micro-batches; DDP all-reduces on the last only. The divisors are the whole step's: its rows,
-    its tokens."""
-    model, world = run.model, run.world
-    rows, width = batch["input_ids"].shape                    # this rank's rows, kept or not
-    kept = batch.get("kept", torch.arange(rows, device=batch["input_ids"].device))  # [kept]
-    # world decisions: every rank runs the same number of micro-steps (DDP all-reduces in the last,
-    # FSDP gathers in each), as many as the rank that keeps the most rows needs; 0: no rank keeps
-    # one, and no rank runs a forward or a backward
-    widest, most_kept = world_max(width, len(kept), device=batch["input_ids"].device)
-    micro = args.micro_batch_size or auto_micro_batch(rows, widest, args)
-    S = math.ceil(most_kept / micro)                                  # accumulation micro-steps
-    T = batch["mask"].shape[1]
-    sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
-            "entropy_sum": 0.0, "tokens": 0.0, "rows": len(kept)}
-    gaps, masks = [batch["sampler_logps"][:0]], [batch["mask"][:0]]  # old - sampler logp, masks
-    for m in range(S):
-        idx = kept[m * micro:(m + 1) * micro]
-        stand_in = len(idx) == 0  # this rank is out of rows: one row, whose loss is 0 x logp
-        idx = kept.new_zeros(1) if stand_in else idx
-        sync_gradients(model, m == S - 1)  # DDP/FSDP reduce the gradients on the last only
-        # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper; entropy in the graph only
-        # if a bonus uses it
-        with autocast(args, batch["input_ids"].device):
-            logps, entropy, aux = completion_logps(
-                model, batch["input_ids"][idx], batch["attention_mask"][idx], T,
-                chunk_size=args.logp_chunk_size, entropy_grad=entropy_coef != 0.0,
-                entropy_chunk_size=args.entropy_chunk_size, with_entropy=with_entropy,
-                **scored_distribution(args))
-        if stand_in:  # the backward (and DDP's all-reduce) still runs, adding exactly 0
-            run.scaler.scale(0.0 * logps.sum()).backward()
-            continue
-        # on-policy old = logp.detach(): the ratio is 1 in value, its gradient dlogp (never
-        # exp(x - x) with both sides in the graph: its gradient is 0)
-        old = batch["old_logps"][idx] if batch["old_logps"] is not None else logps.detach()
-        ref = batch["ref_logps"][idx] if batch["ref_logps"] is not None else None
-        # the sampler's log-prob against the trainer's at the weights that sampled (old):
-        # rho = exp(old - sampler)
-        mask = batch["mask"][idx]
-        gaps.append(torch.where(mask.bool(), old - batch["sampler_logps"][idx], 0.0))
-        masks.append(mask)
-        # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type with
-        # the step's divisors (grpo, dr_grpo: its rows; dapo, cispo: its tokens N)
-        loss, stats = grpo_loss(
-            logps, old, batch["advantages"][idx], mask, loss_type=args.loss_type,
-            epsilon=args.epsilon, epsilon_high=args.epsilon_high, ref_logps=ref, beta=args.beta,
-            max_gen_len=args.max_gen_len, num_items=batch["num_items"], world_size=world,
-            entropy=entropy, entropy_coef=entropy_coef, accum_steps=S, step_rows=rows,
-            is_weight=importance_weights(torch.exp(gaps[-1]), args.is_correction, args.is_cap),
-            importance_sampling_level=args.importance_sampling_level)
-        if aux is not None:  # 12. MoE router load-balancing loss, times the config's coefficient
-            loss = loss + unwrap(model).config.router_aux_loss_coef * aux / S
-            sums["aux"] += aux.item() / S
-        run.scaler.scale(loss).backward()  # fp16: loss x scale, so small gradients do not flush
-        tokens = mask.sum().item()
-        for k, v in (("loss", loss.detach()), ("policy_loss", stats["policy_loss"]),
-                     ("tokens", tokens), ("kl_sum", stats.get("kl_sum", 0.0)),
-                     ("clip", stats["clip_ratio"] * tokens),
-                     ("entropy_sum", (entropy.detach() * mask).sum())):
-            sums[k] += float(v)
-    if S == 0:  # AdamW steps as it would after backward on rows with A = 0: on zero gradients
-        for p in unwrap(model).parameters():
-            p.grad = torch.zeros_like(p) if p.requires_grad else None
-    sums["gap"], sums["gap_mask"] = torch.cat(gaps), torch.cat(masks)        # [trained rows, T]
-    return sums
-
-
 def auto_micro_batch(rows, width, args):
     """Rows per micro-batch when --micro_batch_size is 0: all of them for the built-in model; for
     a real model the largest divisor of rows whose micro-batch holds <= --micro_batch_tokens."""
@@ -882,39 +876,6 @@ def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, w
 
 
 # --------------------------------------------------------------------------------------------------
-# Stage 13. The update
-# --------------------------------------------------------------------------------------------------
-def clipped_optimizer_step(run, grad_clip, loss, state):
-    """Step 13: unscale (fp16), clip the global grad norm, step, zero the gradients. A step whose
-    loss or grad norm is not finite on any rank is skipped on every rank (a world decision), and
-    counted in state.skipped_steps (updates: mu per step); under fp16 the loss scale then halves on
-    every rank (down to MIN_LOSS_SCALE), and doubles after 2,000 good steps in a row (GradScaler's
-    rule). An overflow the scale can still cure is the scaler's normal work; a non-finite loss, or
-    an overflow at MIN_LOSS_SCALE, counts toward the stop after 3 in a row (state.bad_in_a_row).
-    Returns the grad norm."""
-    policy, optimizer, scaler = unwrap(run.model), run.optimizer, run.scaler
-    scaler.unscale_(optimizer)  # the true loss's gradients: clipping and the norm see real values
-    max_norm = grad_clip if grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
-        grad_norm = grad_norm.full_tensor()
-    bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
-                                   device=run.device)
-    if bad_loss + bad_norm == 0:
-        scaler.step(optimizer)  # optimizer.step(): no rank holds an inf (finite world norm)
-        scaler.update()
-        state.bad_in_a_row = 0
-    else:
-        state.skipped_steps += 1
-        scale_can_drop = scaler.is_enabled() and scaler.get_scale() > MIN_LOSS_SCALE
-        if bad_loss or not scale_can_drop:
-            state.bad_in_a_row += 1
-        lower_loss_scale(scaler)  # fp16: halved on every rank alike
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-# --------------------------------------------------------------------------------------------------
 # Stages 11, 14. The next step's entropy coefficient; the step's record
 # --------------------------------------------------------------------------------------------------
 def world_mean(local_sum, local_count, device="cpu"):
@@ -1016,14 +977,14 @@ def train(args, rank, world, device):
     if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
         ref_model = frozen_copy(policy, getattr(torch, args.dtype))
     optimizer, scheduler = build_optimizer(policy, args)
-    run = Run(model, ref_model, optimizer, loss_scaler(args.dtype, device), tokenizer, reward_fns,
-              weights, world, device)
+    run = Run(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer,
+              reward_fns, weights, world, device)
 
     # --- fresh start (with the eval before any update), or resume from a checkpoint ---
     state, metrics_path, (report, close_report) = start_or_resume(
         args, run, scheduler, eval_rows, score, eval_key, rank)
 
-    # --- the loop: prompts, one GRPO step, schedule, evaluate, log, save ---
+    # --- the loop: prompts, one GRPO step, evaluate, log, save ---
     model.train()
     warned_cut, rows_per_step = False, args.batch_size * args.num_generations * world
     bar = tqdm(range(state.step + 1, args.max_steps + 1), initial=state.step, total=args.max_steps,
@@ -1032,10 +993,7 @@ def train(args, rank, world, device):
         state.step = step
         rows = next_prompts(sampler, train_rows, state, args.batch_size)
         cut_before = state.truncated_prompts
-        lr, skipped_before = scheduler.get_last_lr()[0], state.skipped_steps  # this step's rate
-        record = {"step": step, **grpo_step(args, run, rows, state), "lr": lr}
-        if state.skipped_steps - skipped_before < args.num_iterations:
-            scheduler.step()  # an update was applied; a skipped step leaves the schedule as it was
+        record = {"step": step, **grpo_step(args, run, rows, state)}
         if state.truncated_prompts > cut_before and not warned_cut and master:
             print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are "
                   "left-truncated")
@@ -1774,7 +1732,8 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
     so the GRPO run under torchrun starts from the warm start of the one-process run."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
     # the GRPO update's rule: fp16 loss scaling, clip at 1.0, a non-finite step skipped by all ranks
-    sft = Run(model, None, opt, loss_scaler(args.dtype, device), tokenizer, [], [], world, device)
+    sft = Run(model, None, opt, None, loss_scaler(args.dtype, device), tokenizer, [], [], world,
+              device)
     state = TrainState()
     rng = random.Random(args.seed + 7)
     for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
@@ -1794,7 +1753,14 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
         if aux is not None:
             loss = loss + aux * unwrap(model).config.router_aux_loss_coef
         sft.scaler.scale(loss).backward()
-        clipped_optimizer_step(sft, 1.0, loss.item(), state)
+        sft.scaler.unscale_(opt)
+        grad_norm = torch.nn.utils.clip_grad_norm_(unwrap(model).parameters(), 1.0)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        if update_is_finite(sft, state, loss.item(), grad_norm):
+            sft.scaler.step(opt)
+            sft.scaler.update()
+        opt.zero_grad(set_to_none=True)
         if state.bad_in_a_row >= 3:
             raise TrainerError("supervised warm-up: loss or grad norm not finite for 3 steps in a "
                                "row")
@@ -1904,6 +1870,26 @@ def sync_gradients(model, on):
         model.require_backward_grad_sync = on
     elif is_fsdp(model):  # FSDP accumulates unsharded gradients until then
         model.set_requires_gradient_sync(on)
+
+
+def update_is_finite(run, state, loss, grad_norm):
+    """Step 13's world decision: True when no rank's loss or grad norm is inf or NaN (the caller
+    then steps AdamW). A skip is counted in state.skipped_steps (updates: mu per step); under fp16
+    the loss scale then halves on every rank (down to MIN_LOSS_SCALE), and doubles after 2,000 good
+    steps in a row (GradScaler's rule). An overflow the scale can still cure is the scaler's normal
+    work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, counts toward the stop after 3 in a
+    row (state.bad_in_a_row)."""
+    bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
+                                   device=run.device)
+    if bad_loss + bad_norm == 0:
+        state.bad_in_a_row = 0
+        return True
+    state.skipped_steps += 1
+    scale_can_drop = run.scaler.is_enabled() and run.scaler.get_scale() > MIN_LOSS_SCALE
+    if bad_loss or not scale_can_drop:
+        state.bad_in_a_row += 1
+    lower_loss_scale(run.scaler)  # fp16: halved on every rank alike
+    return False
 
 
 def lower_loss_scale(scaler):

@@ -56,7 +56,8 @@ def main():
         # the same weights in every row; the fp32 head is the same module with an fp32 forward
         tg.cast_lm_head_to_fp32(model) if args.cast_lm_head_to_fp32 else plain_head(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        run = tg.Run(model, None, optimizer, tg.loss_scaler(args.dtype, "cpu"), tok, reward_fns,
+        constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        run = tg.Run(model, None, optimizer, constant, tg.loss_scaler(args.dtype, "cpu"), tok, reward_fns,
                      weights, 1, "cpu")
         torch.manual_seed(1)
         t0 = time.time()

@@ -6,7 +6,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.distributed as dist
 
-from helpers import make_run, sample_batch, tg, tiny
+from helpers import make_run, sample_batch, step_on_batch, tg, tiny
 
 
 def close_group():
@@ -82,7 +82,7 @@ def batch_std_world(rank, world, out_dir):
 
 def loop_step_grads(rank, world, out_dir):
     """One real grpo_step under DDP with 2 micro-steps per rank and different prompts per rank. The optimizer
-    step is replaced by a recorder, so the synced gradient it would apply is saved with the rollout."""
+    step's pre-hook records the synced gradient it applies, saved with the rollout."""
     dist.init_process_group("gloo")
     train_rows, _ = tg.make_reverse_task(16)
     out = {}
@@ -91,14 +91,16 @@ def loop_step_grads(rank, world, out_dir):
         ddp = DDP(model)
         args = tg.parse_args(["--loss_type", loss_type, "--batch_size", "2", "--num_generations", "4",
                               "--micro_batch_size", "4", "--grad_clip", "0"])   # S = 2 micro-steps per rank
-        optimizer, _ = tg.build_optimizer(model, args)
+        optimizer, scheduler = tg.build_optimizer(model, args)
         seen = {}
-        optimizer.step = lambda: seen.update(grads={n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.register_step_pre_hook(
+            lambda *_: seen.update(grads={n: p.grad.clone() for n, p in model.named_parameters()}))
         real = tg.rollout
         tg.rollout = lambda *a, **k: seen.setdefault("rollout", (a[1], a[2], *real(*a, **k)))[2:]
         torch.manual_seed(rank)
         rows = train_rows[2 * rank:2 * rank + 2]                                  # different prompts per rank
-        run = make_run(ddp, tok, optimizer, world, reward_fns=[tg.reverse_reward], weights=[1.0])
+        run = make_run(ddp, tok, optimizer, world, reward_fns=[tg.reverse_reward], weights=[1.0],
+                       scheduler=scheduler)
         tg.grpo_step(args, run, rows, tg.TrainState())
         tg.rollout = real
         prompt_ids, prompt_mask, comp, mask, *_ = seen["rollout"]
@@ -149,7 +151,7 @@ def train_and_capture(rank, world, runs, out_dir):
 def micro_batch_world(rank, world, out_dir):
     """auto micro-batches on 2 ranks whose batches differ in width (50 vs 150 tokens): one count for both."""
     dist.init_process_group("gloo")
-    args = tg.Args(model_name_or_path="a-real-model", micro_batch_tokens=200)
+    args = tg.Args(model_name_or_path="a-real-model", micro_batch_tokens=200, num_generations=4)
     seen = []
     real = tg.completion_logps
 
@@ -161,9 +163,9 @@ def micro_batch_world(rank, world, out_dir):
     width = [50, 150][rank]
     ids = torch.randint(3, len(tok), (4, width))
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mask=torch.ones(4, 6),
-                 advantages=torch.zeros(4), old_logps=None, ref_logps=None, sampler_logps=torch.zeros(4, 6),
-                 num_items=48.0)
-    tg.accumulate_gradients(make_run(DDP(model), world=world), batch, args, 0.0)
+                 advantages=torch.ones(4), sampler_logps=torch.zeros(4, 6))
+    ddp = DDP(model)
+    step_on_batch(args, make_run(ddp, tok, torch.optim.SGD(model.parameters(), lr=0.0), world=world), batch)
     tg.completion_logps = real
     torch.save(seen[0], os.path.join(out_dir, f"micro_{rank}.pt"))
     close_group()
@@ -199,17 +201,16 @@ def fp16_skip(rank, world, out_dir, mode="ddp"):
     wrapped = tg.shard_fsdp(model, args, world) if mode == "fsdp" else DDP(model)
     optimizer, _ = tg.build_optimizer(model, args)
     run = make_run(wrapped, tok, optimizer, world, fp16=True, reward_fns=[tg.reverse_reward], weights=[1.0])
-    state, real = tg.TrainState(), tg.accumulate_gradients
+    state, real = tg.TrainState(), run.scaler.unscale_
     out = {"bad_in_a_row": [], "skipped_steps": []}
     train_rows, _ = tg.make_reverse_task(16)
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # FSDP: this rank's shard
     for step, tag in ((1, "after_inf"), (2, "after_good")):
-        def plant(run, *a, **k):
-            sums = real(run, *a, **k)
+        def plant(optimizer):  # after backward (and DDP's all-reduce), before the step unscales
             if step == 1 and rank == 1:
                 local(next(p for p in model.parameters() if p.grad is not None).grad).view(-1)[0] = torch.inf
-            return sums
-        tg.accumulate_gradients = plant
+            return real(optimizer)
+        run.scaler.unscale_ = plant
         before = [local(p.detach()).clone() for p in model.parameters()]
         torch.manual_seed(rank)
         tg.grpo_step(args, run, train_rows[2 * rank:2 * rank + 2], state)
@@ -217,7 +218,6 @@ def fp16_skip(rank, world, out_dir, mode="ddp"):
         out[f"scale_{tag}"] = run.scaler.get_scale()
         out["bad_in_a_row"].append(state.bad_in_a_row)
         out["skipped_steps"].append(state.skipped_steps)
-    tg.accumulate_gradients = real
     out["params"] = {k: v.clone() for k, v in tg.full_state_dict(wrapped, every_rank=True).items()}
     torch.save(out, os.path.join(out_dir, f"fp16_{mode}_{rank}.pt"))
     close_group()

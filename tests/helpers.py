@@ -103,7 +103,37 @@ def sample_batch(model, tok, n_prompts=4, G=4, seed=0, max_gen_len=6):
     return torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp, mask
 
 
-def make_run(model, tok=None, optimizer=None, world=1, fp16=False, reward_fns=(), weights=()):
+def step_on_batch(args, run, batch, state=None):
+    """One real tg.grpo_step whose rollout is `batch` (prompt + completion ids, attention mask, completion mask,
+    the sampler's log-probs, the advantages) instead of a sampled one; old and reference log-probs are the
+    step's own. Returns the step's record and the gradients the optimizer's step received (unscaled, clipped
+    as --grad_clip says), one list per update."""
+    P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
+    rows = batch["input_ids"].shape[0]
+    received = []
+    hook = run.optimizer.register_step_pre_hook(lambda opt, *_: received.append(
+        [p.grad.clone() for g in opt.param_groups for p in g["params"] if p.grad is not None]))
+    stand_ins = dict(
+        tokenize_prompts=lambda *a, **k: (batch["input_ids"][:, :P], batch["attention_mask"][:, :P], 0),
+        rollout=lambda *a, **k: (batch["input_ids"][:, P:], batch["mask"], torch.zeros(rows, dtype=torch.bool),
+                                 batch["sampler_logps"]),
+        decode_completions=lambda *a: [""] * rows, compute_rewards=lambda *a: torch.zeros(rows),
+        compute_advantages=lambda *a: batch["advantages"])
+    real = {k: getattr(tg, k) for k in stand_ins}
+    for k, v in stand_ins.items():
+        setattr(tg, k, v)
+    try:
+        record = tg.grpo_step(args, run, [{"prompt": ""}] * (rows // args.num_generations), state or tg.TrainState())
+    finally:
+        for k, v in real.items():
+            setattr(tg, k, v)
+        hook.remove()
+    return record, received
+
+
+def make_run(model, tok=None, optimizer=None, world=1, fp16=False, reward_fns=(), weights=(), scheduler=None):
     """The trainer's Run for a test that calls grpo_step or its stages directly."""
     scaler = torch.amp.GradScaler("cpu", enabled=fp16)
-    return tg.Run(model, None, optimizer, scaler, tok, list(reward_fns), list(weights), world, "cpu")
+    if scheduler is None and optimizer is not None:  # a constant rate
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return tg.Run(model, None, optimizer, scheduler, scaler, tok, list(reward_fns), list(weights), world, "cpu")

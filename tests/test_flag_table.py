@@ -66,14 +66,12 @@ def one_step(**flags):
     model.generate = generate
     torch.manual_seed(1)
     try:
-        run = make_run(model, tok, optimizer, reward_fns=reward_fns, weights=weights)
+        run = make_run(model, tok, optimizer, reward_fns=reward_fns, weights=weights, scheduler=scheduler)
         run.ref_model, run.scaler = ref, tg.loss_scaler(args.dtype, "cpu")  # the trainer's own rule
         record = tg.grpo_step(args, run, train_rows[:args.batch_size], state)
     finally:
         tg.rollout, tg.lm_logits, tg.entropy_from_logits = real_rollout, real_head, real_entropy
-    record["lr_now"] = optimizer.param_groups[0]["lr"]        # the rate this step used
-    scheduler.step()
-    record["lr_next"] = scheduler.get_last_lr()[0]
+    record["lr_next"] = scheduler.get_last_lr()[0]             # the step moved the schedule
     delta = {k: (v - before[k]) for k, v in model.state_dict().items()}
     return Run(record=record, delta=delta, tokens=calls["rollout"][0], state=state, calls=calls, args=args,
                applied_grad_norm=applied[-1], checkpointing=model.is_activation_checkpointing)
@@ -191,10 +189,10 @@ FLAGS = {
                               use_adaptive_entropy=1, entropy_target=9.0)],
     # optimization
     "max_steps": [step(4, lambda d, f: f.record["lr_next"] != d.record["lr_next"], lr_scheduler="cosine")],
-    "learning_rate": [step(1e-3, lambda d, f: f.record["lr_now"] == 1e-3 and update_differs(d, f))],
+    "learning_rate": [step(1e-3, lambda d, f: f.record["lr"] == 1e-3 and update_differs(d, f))],
     "weight_decay": [step(0.5, update_differs)],
     "lr_scheduler": [step("cosine", lambda d, f: f.record["lr_next"] < d.record["lr_next"], max_steps=2)],
-    "warmup_steps": [step(3, lambda d, f: f.record["lr_now"] == pytest.approx(BASE["learning_rate"] / 4)
+    "warmup_steps": [step(3, lambda d, f: f.record["lr"] == pytest.approx(BASE["learning_rate"] / 4)
                           and update_differs(d, f))],
     # every reward 0: every group ties; on (the default) no row is trained, off all 8 are
     "skip_zero_advantage_rows": [step(0, lambda d, f: d.record["rows_trained"] == 0 == len(d.calls["lm_logits"])

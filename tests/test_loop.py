@@ -81,23 +81,22 @@ def test_moe_loss_is_policy_loss_plus_the_configs_coefficient_times_aux(tmp_path
 def test_loop_keeps_entropy_out_of_the_graph_when_no_bonus_applies(monkeypatch):
     # inside the loop the entropy must carry a graph only when a bonus uses it: one that does holds a
     # softmax-sized graph through backward (the chunk recomputes it there), for a number that is only logged
-    from helpers import make_run, sample_batch
+    from helpers import make_run, sample_batch, step_on_batch
     model, tok = tiny()
     input_ids, attn, comp, mask = sample_batch(model, tok)
     args = tg.parse_args(["--batch_size", "4", "--num_generations", "4", "--micro_batch_size", "8"])
-    batch = dict(input_ids=input_ids, attention_mask=attn, mask=mask, advantages=torch.randn(16), old_logps=None,
-                 ref_logps=None, sampler_logps=torch.zeros_like(mask, dtype=torch.float),
-                 num_items=mask.sum().item())
+    batch = dict(input_ids=input_ids, attention_mask=attn, mask=mask, advantages=torch.randn(16),
+                 sampler_logps=torch.zeros_like(mask, dtype=torch.float))
     seen, real = [], tg.completion_logps
     monkeypatch.setattr(tg, "completion_logps", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     for coef in (0.0, 0.01):
         seen.clear()
-        sums = tg.accumulate_gradients(make_run(model), batch, args, coef)
+        run = make_run(model, tok, torch.optim.SGD(model.parameters(), lr=0.0))
+        record, _ = step_on_batch(args, run, batch, tg.TrainState(entropy_coef_applied=coef))
         assert len(seen) == 2 and all(entropy.requires_grad == (coef != 0.0) for _, entropy, _ in seen)
-        # the logged sum is the same number either way
+        # the logged entropy is the same number either way
         want = sum((e.detach() * mask[8 * i:8 * i + 8]).sum().item() for i, (_, e, _) in enumerate(seen))
-        assert sums["entropy_sum"] == pytest.approx(want)
-        model.zero_grad(set_to_none=True)
+        assert record["entropy"] == pytest.approx(want / mask.sum().item())
 
 
 def test_left_truncation_keeps_the_end_of_the_prompt():

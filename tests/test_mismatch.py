@@ -8,7 +8,7 @@ import torch
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 import dist_workers
-from helpers import FAST, make_run, spawn, tg, tiny
+from helpers import FAST, make_run, spawn, tg, tiny, step_on_batch
 from test_flag_table import one_step
 
 
@@ -119,7 +119,7 @@ def test_replay_scores_the_truncated_distribution_and_its_gradient(monkeypatch, 
 @pytest.mark.parametrize("kind", ["tis", "mis"])
 def test_importance_correction_weights_masks_and_gradient_by_hand(kind):
     """A planted mismatch: the sampler's log-probs are the trainer's shifted by known amounts. One
-    accumulate_gradients step of the tiny model against the gradient of a hand-weighted REINFORCE sum."""
+    grpo_step of the tiny model on that batch against the gradient of a hand-weighted REINFORCE sum."""
     model, tok = tiny()
     torch.manual_seed(0)
     rows, P, T, cap = 4, 5, 6, 2.0
@@ -130,13 +130,13 @@ def test_importance_correction_weights_masks_and_gradient_by_hand(kind):
     A = torch.tensor([1.0, -0.5, 2.0, -1.5])
     with torch.no_grad():
         old = tg.completion_logps(model, ids, torch.ones_like(ids), T)[0]
-    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mask=mask, advantages=A, old_logps=None,
-                 ref_logps=None, sampler_logps=(old - shift) * mask, num_items=mask.sum().item())
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mask=mask, advantages=A,
+                 sampler_logps=(old - shift) * mask)
     args = tg.parse_args(["--is_correction", kind, "--is_cap", str(cap), "--batch_size", "2",
-                          "--num_generations", "2"])
-    sums = tg.accumulate_gradients(make_run(model), batch, args, 0.0)
-    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
+                          "--num_generations", "2", "--grad_clip", "0"])
+    names = [n for n, p in model.named_parameters()]
+    record, received = step_on_batch(args, make_run(model, tok, torch.optim.SGD(model.parameters(), lr=0.0)), batch)
+    ours = dict(zip(names, received[0]))
     rho = shift.exp()
     # by hand: tis w = min(rho, 2) = [1, e^.5, e^-.5, 2, e^-1, 2]; mis w = 1 inside [1/2, 2]: [1, 1, 1, 0, 0, 0]
     w = torch.clamp(rho, max=cap) if kind == "tis" else ((rho >= 0.5) & (rho <= 2)).float()
@@ -150,7 +150,7 @@ def test_importance_correction_weights_masks_and_gradient_by_hand(kind):
         if p.grad is not None:
             torch.testing.assert_close(ours[n], p.grad, rtol=1e-5, atol=1e-8)
     on = mask.bool()
-    logged = tg.sampler_mismatch(sums["gap"], mask)                  # what the step's record holds
+    logged = record                                                  # the step's record
     assert logged["is_ratio_max"] == pytest.approx(rho[on].max().item(), rel=1e-5)
     assert logged["is_ratio_min"] == pytest.approx(rho[on].min().item(), rel=1e-5)
     assert logged["is_ratio_mean"] == pytest.approx(rho[on].mean().item(), rel=1e-5)
@@ -165,13 +165,11 @@ def fp16_grads(model, tok, dtype, fp16):
     ids = torch.randint(3, len(tok), (rows, 8 + T))
     mask = torch.ones(rows, T)
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mask=mask, advantages=torch.randn(rows),
-                 old_logps=None, ref_logps=None, sampler_logps=torch.zeros(rows, T), num_items=mask.sum().item())
-    args = tg.parse_args(["--loss_type", "dapo", "--dtype", dtype, "--batch_size", "20"])
+                 sampler_logps=torch.zeros(rows, T))
+    args = tg.parse_args(["--loss_type", "dapo", "--dtype", dtype, "--batch_size", "20", "--grad_clip", "0"])
     run = make_run(model, tok, torch.optim.SGD(model.parameters(), lr=0.0), fp16=fp16)
-    model.zero_grad(set_to_none=True)
-    tg.accumulate_gradients(run, batch, args, 0.0)
-    run.scaler.unscale_(run.optimizer)                               # what clipped_optimizer_step does first
-    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    _, received = step_on_batch(args, run, batch)                   # the step unscales before the optimizer
+    return torch.cat([g.flatten() for g in received[0]])
 
 
 def test_fp16_with_loss_scaling_keeps_the_gradient_that_fp32_computes():
@@ -198,16 +196,16 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(
 
 def test_fp16_resume_restores_the_loss_scale(tmp_path, monkeypatch):
     """Step 1's gradient gets an inf (the scale halves to 2^15); a run resumed at step 1 must keep 2^15."""
-    real = tg.accumulate_gradients
+    real = torch.amp.GradScaler.unscale_
     calls = []
 
-    def plant_inf_once(run, *a, **k):
-        sums = real(run, *a, **k)
+    def plant_inf_once(scaler, optimizer):  # after backward, before the step unscales
         calls.append(1)
         if len(calls) == 1:
-            next(p for p in run.model.parameters() if p.grad is not None).grad.view(-1)[0] = torch.inf
-        return sums
-    monkeypatch.setattr(tg, "accumulate_gradients", plant_inf_once)
+            next(p for g in optimizer.param_groups for p in g["params"] if p.grad is not None).grad.view(-1)[0] = \
+                torch.inf
+        return real(scaler, optimizer)
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", plant_inf_once)
     base = FAST + ["--dtype", "float16", "--max_steps", "3"]
     tg.main(base + ["--save_dir", str(tmp_path / "straight")])
     calls.clear()

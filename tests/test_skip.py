@@ -105,11 +105,11 @@ def two_ranks(rank, world, out_dir, skip, reward_path, reward, extra):
     """One run of the trainer on this rank (different prompts per rank); saves the weights, the kept rows of
     each step on this rank and the number of forwards with a graph."""
     kept, forwards = [], [0]
-    real_acc, real_logps = tg.accumulate_gradients, tg.completion_logps
+    real_rows, real_logps = tg.rows_to_train, tg.completion_logps
 
-    def acc(run, batch, *a, **k):
-        kept.append(len(batch["kept"]))
-        return real_acc(run, batch, *a, **k)
+    def rows_to_train(*a, **k):
+        kept.append(len(real_rows(*a, **k)))
+        return real_rows(*a, **k)
 
     def logps(*a, **k):
         forwards[0] += torch.is_grad_enabled()
@@ -119,7 +119,7 @@ def two_ranks(rank, world, out_dir, skip, reward_path, reward, extra):
     def finish(args, policy, *a, **k):  # every rank calls it while the group is up: gather the weights
         full.update(tg.full_state_dict(policy, every_rank=True))
         return real_finish(args, policy, *a, **k)
-    tg.accumulate_gradients, tg.completion_logps, tg.finish = acc, logps, finish
+    tg.rows_to_train, tg.completion_logps, tg.finish = rows_to_train, logps, finish
     tg.main([*BASE, "--reward_funcs", f"{reward_path}:{reward}", "--skip_zero_advantage_rows", str(skip),
                    "--save_dir", os.path.join(out_dir, f"run{skip}"), *extra])
     torch.save({"params": {k: v.clone() for k, v in full.items()}, "kept": kept,
@@ -137,7 +137,7 @@ def test_two_ranks_skipping_different_rows_match_the_run_without_skipping(tmp_pa
     k0, k1 = on[0]["kept"], on[1]["kept"]
     assert any(a != b for a, b in zip(k0, k1)), (k0, k1)                      # uneven ranks
     assert any((a == 0) != (b == 0) for a, b in zip(k0, k1)), (k0, k1)        # one rank out of rows: a stand-in
-    assert off[0]["kept"] == off[1]["kept"] == [8] * 10                      # mu = 2 passes a step
+    assert off[0]["kept"] == off[1]["kept"] == [8] * 5                       # 5 steps
     assert on[0]["forwards"] == on[1]["forwards"] < off[0]["forwards"]        # the same count on both ranks
     for k in off[0]["params"]:
         torch.testing.assert_close(on[0]["params"][k], off[0]["params"][k], rtol=1e-5, atol=1e-6, msg=k)
@@ -161,7 +161,7 @@ def test_the_entropy_bonus_this_step_applies_decides_not_the_flag():
     args = tg.parse_args([])
     advantages, mask = torch.tensor([0.0, 1.0, 0.0, -1.0]), torch.ones(4, 3)
     model, _ = tiny()
-    run = tg.Run(model, None, None, None, None, [], [])
+    run = tg.Run(model, None, None, None, None, None, [], [])
     assert tg.rows_to_train(args, run, advantages, mask, 0.0).tolist() == [1, 3]
     assert tg.rows_to_train(args, run, advantages, mask, 0.05).tolist() == [0, 1, 2, 3]
     mask[1] = 0                                                   # no masked token: nothing to train either
