@@ -2,37 +2,34 @@
 
 One step (`grpo_step`), in the stages of the README's "The math", each a labelled block there:
   1. Prompts: B per rank, each repeated G times (a group), left-padded, left-truncated.
-  2. Rollout: G completions per prompt from `model.generate`, which samples from the distribution
-     the rollout applies itself and keeps the sampler's log-prob of every token it drew.
+  2. Rollout: G completions per prompt from `model.generate`, keeping the sampler's log-prob of
+     every token it drew.
   3. Reward: plain-Python rewards, per sample or TRL's batched form (None: does not apply).
   4. Advantage: A = (r - mean of its group) / (std of its group + 1e-4). No value network.
   5-6. Reference (beta > 0) and old (mu > 1) log-probs: detached tensors, no graph.
   7. Current log-probs: a fresh forward through the DDP wrapper, chunked through lm_head so
-     [rows, T, vocab] logits never exist. With top-k/top-p and --sampling_replay 1 every model
-     scores the truncated distribution that sampled; the entropy is the full one's.
+     [rows, T, vocab] logits never exist; with top-k/top-p, scored under the truncation that
+     sampled (--sampling_replay 1).
   8. The per-token objective: the clipped ratio (per token, or per sequence: GSPO) or cispo's
-     capped-weight REINFORCE, its policy term times an optional tis/mis mismatch weight, + beta
-     k3 KL.
+     capped-weight REINFORCE, times an optional tis/mis mismatch weight, + beta k3 KL.
   9. Normalization: grpo, bnpo, dr_grpo, dapo, cispo.
-  10-11. Entropy: logged without a graph; an optional bonus with an adaptive coefficient, one
-     world number on every rank, set after the update for the next step.
+  10-11. Entropy: logged without a graph; an optional bonus whose adaptive coefficient is one
+     world number, set after the update for the next step.
   12. MoE: the router's load-balancing loss.
-  13. Update: backward over micro-batches, clip, AdamW (fp32 master weights, compute in --dtype
-     under autocast, fp16 with loss scaling); the loop then steps the learning-rate schedule.
+  13. Update: backward over micro-batches, clip, AdamW (fp32 master weights, compute in --dtype,
+     fp16 with loss scaling), then the learning-rate schedule.
   14. Log (and, in the loop, save).
-With the defaults (mu = 1, beta = 0, no entropy bonus) the ratio is exactly 1 and never clips: the
-update is REINFORCE with the group mean as baseline. Rows whose advantage is 0 skip their
-forwards and backward where that leaves the update as it is (README: Work without a gradient).
+With the defaults (mu = 1, beta = 0, no bonus) the ratio is exactly 1 and never clips: REINFORCE
+with the group mean as baseline. Rows whose advantage is 0 skip their forwards and backward where
+that leaves the update as it is (README: Work without a gradient).
 
     python train_grpo.py                                        # offline: tiny model, built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo  # 2 processes (gloo CPU, nccl GPU)
     python train_grpo.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct \\
         --dataset compare_numbers                               # or the .gguf file (README)
-    python train_grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset gsm8k
 
-Read it top to bottom beside notebook.ipynb: Args, then THE ALGORITHM (the step, then the loop),
-then a PLUMBING banner below which nothing is GRPO. Every formula has a test in tests/.
-`import train_grpo` runs nothing: the functions are what the tests and the notebook import.
+Read it top to bottom beside notebook.ipynb: Args, the step, the helpers it calls in its order, the
+loop; then a PLUMBING banner below which nothing is GRPO. Every formula has a test in tests/.
 """
 
 import argparse
@@ -74,25 +71,22 @@ def opt(default, help, **kw):
 @dataclass
 class Args:
     # what to train
-    loss_type: str = opt("grpo", "normalization of the per-token objective (README: The math, "
-                         "step 9)", choices=LOSS_TYPES)
+    loss_type: str = opt("grpo", "normalization of the objective (README: The math, step 9)",
+                         choices=LOSS_TYPES)
     use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint "
                        "is MoE)", choices=(0, 1))
     model_name_or_path: str = opt("", "hub name, local dir, or a .gguf file for from_pretrained; "
                                   "empty: build a tiny model")
-    dataset: str = opt("", "compare_numbers (built-in task for real instruct models), gsm8k, a "
-                       "hub dataset, or a .jsonl/.json/.parquet file; empty: the built-in "
-                       "reversal task")
-    question_field: str = opt("question", "dataset field of a question, sent with GSM8K's system "
-                              "prompt (it wins over a 'prompt' field); without it, a 'prompt' "
-                              "field (text, or chat messages) is used as is")
+    dataset: str = opt("", "compare_numbers (built-in, for instruct models), gsm8k, a hub "
+                       "dataset or a .jsonl/.json/.parquet file; empty: the reversal task")
+    question_field: str = opt("question", "field of a question, sent with GSM8K's system prompt "
+                              "(wins over a 'prompt' field: text or chat messages, used as is)")
     answer_field: str = opt("answer", "dataset field holding the reference answer (optional with "
                             "'prompt')")
-    reward_funcs: str = opt("", "comma-separated reward functions, file.py:name or a train_grpo "
-                            "name, each f(completion, **row) -> float, or TRL's batched "
-                            "f(prompts, completions, completion_ids, **columns) -> list "
-                            "(recognised by a parameter named 'completions'); None: does not "
-                            "apply; empty: the task's own")
+    reward_funcs: str = opt("", "comma-separated file.py:name or train_grpo names: f(completion, "
+                            "**row) -> float, or TRL's batched f(prompts, completions, "
+                            "completion_ids, **columns) -> list (a parameter named 'completions'"
+                            "); None: does not apply; empty: the task's own")
     reward_weights: str = opt("", "comma-separated weight per reward function; empty: the task's "
                               "own (1.0 each with --reward_funcs)")
     trust_remote_code: int = opt(0, "1: let from_pretrained run code shipped with the model",
@@ -100,10 +94,9 @@ class Args:
     # rollout
     num_generations: int = opt(8, "G: completions sampled per prompt (a group)")
     batch_size: int = opt(16, "B: prompts per rank per step (so B*G rows)")
-    micro_batch_size: int = opt(0, "rows per forward/backward; 0: auto (built-in model: all B*G "
-                                "rows; a real model: as many as fit --micro_batch_tokens)")
-    micro_batch_tokens: int = opt(16384, "auto micro-batches: at most this many tokens (rows x "
-                                  "sequence length)")
+    micro_batch_size: int = opt(0, "rows per forward/backward; 0: auto (tiny model: all B*G; a "
+                                "real one: what fits --micro_batch_tokens)")
+    micro_batch_tokens: int = opt(16384, "auto micro-batches: at most rows x length tokens")
     max_prompt_len: int = opt(256, "prompt tokens kept (longer prompts are left-truncated)")
     max_gen_len: int = opt(8, "L_max: new tokens per completion")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same one)")
@@ -111,12 +104,10 @@ class Args:
     top_k: int = opt(0, "top-k sampling; 0: off")
     mask_truncated_completions: int = opt(0, "1: completions that never emit EOS get a zero mask",
                                           choices=(0, 1))
-    sampling_replay: int = opt(1, "1: with --top_p < 1 or --top_k > 0 the policy, old and "
-                               "reference log-probs (so the ratio and the KL) are scored under the "
-                               "truncation that sampled, each model truncating its own logits and "
-                               "renormalizing over the kept tokens; 0: under the full "
-                               "distribution. The entropy is the full distribution's either way",
-                               choices=(0, 1))
+    sampling_replay: int = opt(1, "1: with top-p/top-k, policy, old and reference log-probs (the "
+                               "ratio, the KL) are scored under the truncation that sampled, each "
+                               "model truncating its own logits; 0: under the full distribution "
+                               "(the entropy's either way)", choices=(0, 1))
     # objective
     beta: float = opt(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
     epsilon: float = opt(0.2, "lower clip: ratio >= 1 - epsilon")
@@ -125,27 +116,24 @@ class Args:
                               "rollout")
     scale_rewards: str = opt("group", "advantage divisor: group std, batch std or none",
                              choices=("group", "batch", "none"))
-    is_correction: str = opt("none", "sampler/trainer mismatch correction: tis weighs each "
-                             "token's policy term by min(rho, is_cap), mis drops tokens with rho "
-                             "outside [1/is_cap, is_cap]; rho = exp(trainer logp - sampler logp)",
+    is_correction: str = opt("none", "sampler/trainer mismatch: tis weighs a token's policy term "
+                             "by min(rho, is_cap), mis drops it if rho is outside [1/is_cap, "
+                             "is_cap]; rho = exp(trainer - sampler logp)",
                              choices=("none", "tis", "mis"))
     is_cap: float = opt(2.0, "C of --is_correction (> 1)")
-    importance_sampling_level: str = opt("token", "the ratio r: per token, or one per sequence, "
-                                         "exp(mean over its tokens of logp - old), clipped per "
-                                         "sequence (GSPO; meant for --loss_type grpo, not cispo)",
-                                         choices=("token", "sequence"))
+    importance_sampling_level: str = opt("token", "the ratio: per token, or per sequence, exp("
+                                         "its tokens' mean of logp - old) (GSPO; for grpo, not "
+                                         "cispo)", choices=("token", "sequence"))
     # entropy (README: The math, steps 10-11)
     entropy_chunk_size: int = opt(128, "rows of logits per chunk when computing entropy")
-    logp_chunk_size: int = opt(0, "tokens (rows x positions) per lm_head chunk for log-probs, "
-                               "recomputed in backward; 0: auto, as many as keep one chunk's fp32 "
-                               "logits within LOGITS_BUDGET_MIB (64 MiB: 110 tokens at Qwen's "
-                               "151,936-token vocabulary)")
+    logp_chunk_size: int = opt(0, "tokens per lm_head chunk for log-probs (recomputed in "
+                               "backward); 0: auto, a chunk's fp32 logits within 64 MiB")
     entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start "
                               "value if adaptive")
     use_adaptive_entropy: int = opt(0, "1: adapt the coefficient toward --entropy_target "
                                     "(Skywork-OR1)", choices=(0, 1))
     entropy_target: float = opt(0.2, "adaptive: target world entropy (nats per token)")
-    entropy_coef_delta: float = opt(1e-4, "adaptive: coefficient step per optimizer step")
+    entropy_coef_delta: float = opt(1e-4, "adaptive: coefficient change per GRPO step")
     entropy_coef_min: float = opt(0.0, "adaptive: lower bound of the coefficient")
     entropy_coef_max: float = opt(0.005, "adaptive: upper bound of the coefficient")
     # optimization
@@ -156,15 +144,13 @@ class Args:
                             choices=("constant", "cosine"))
     warmup_steps: int = opt(0, "linear learning-rate warmup steps")
     grad_clip: float = opt(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
-    skip_zero_advantage_rows: int = opt(1, "1: rows whose advantage is 0 skip the log-prob "
-                                        "forwards and the backward (the same update, less work); "
-                                        "never with --beta > 0, an entropy bonus (--entropy_coef "
-                                        "!= 0 or --use_adaptive_entropy 1), --use_moe 1 or "
-                                        "--loss_type bnpo, where such rows do change the update",
-                                        choices=(0, 1))
-    gradient_checkpointing: int = opt(-1, "1: recompute transformer layers in backward; -1: auto "
-                                      "(on for --model_name_or_path, off for the built-in tiny "
-                                      "model)", choices=(-1, 0, 1))
+    skip_zero_advantage_rows: int = opt(1, "1: rows with advantage 0 skip the forwards and the "
+                                        "backward (the same update); never with --beta > 0, an "
+                                        "entropy bonus, --use_moe 1 or bnpo (such rows count "
+                                        "there)", choices=(0, 1))
+    gradient_checkpointing: int = opt(-1, "1: recompute layers in backward; -1: on for "
+                                      "--model_name_or_path, off for the tiny model",
+                                      choices=(-1, 0, 1))
     sft_warmup_steps: int = opt(200, "built-in task only: supervised steps before the first eval "
                                 "and GRPO")
     sft_learning_rate: float = opt(1e-3, "learning rate of the supervised warmup")
@@ -175,19 +161,15 @@ class Args:
     resume: str = opt("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
     eval_interval: int = opt(50, "held-out greedy accuracy (eval_reward with --reward_funcs) "
                              "every N steps (and before/after training); 0: off")
-    eval_size: int = opt(256, "held-out prompts: the built-in tasks', the first rows of a file "
-                         "without a test split, or at most this many of a test split")
-    dtype: str = opt("float32", "compute dtype: weights and AdamW state stay float32, forward and "
-                     "rollout run under autocast in this dtype",
-                     choices=("float32", "bfloat16", "float16"))
-    cast_lm_head_to_fp32: int = opt(0, "1: under --dtype bfloat16/float16 the lm_head matmul runs "
-                                    "in fp32 (fp32 hidden states and weights) in generate and in "
-                                    "the trainer; not with --fsdp 1", choices=(0, 1))
+    eval_size: int = opt(256, "held-out prompts (a file without a test split: its first rows)")
+    dtype: str = opt("float32", "compute dtype under autocast (weights and AdamW state stay "
+                     "float32)", choices=("float32", "bfloat16", "float16"))
+    cast_lm_head_to_fp32: int = opt(0, "1: under bf16/fp16 the lm_head matmul runs in fp32, in "
+                                    "generate and the trainer; not with --fsdp 1", choices=(0, 1))
     fsdp: int = opt(0, "1: shard parameters, gradients and optimizer state over the ranks with "
                     "FSDP2 (fully_shard) instead of replicating them with DDP", choices=(0, 1))
-    rollout_cache: str = opt("auto", "KV cache of generate: static (CUDA compiles its decode "
-                             "step), dynamic, or auto (static on CUDA, dynamic on CPU)",
-                             choices=("auto", "static", "dynamic"))
+    rollout_cache: str = opt("auto", "generate's KV cache: static (compiled decode), dynamic, or "
+                             "auto (static on CUDA)", choices=("auto", "static", "dynamic"))
     device: str = opt("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
     stop_after: int = opt(0, "stop (as if interrupted) after this step; 0: run to max_steps")
     report_to: str = opt("none", "also log each step's record to wandb or tensorboard (optional "
@@ -224,7 +206,7 @@ class TrainState:
     sampler_epoch: int = 0
     sampler_pos: int = 0
     entropy_coef: float = 0.0          # c: the adaptive coefficient (or the static alpha)
-    entropy_coef_applied: float = 0.0  # alpha used in the next step's loss
+    next_alpha: float = 0.0            # alpha: the bonus coefficient the next step's loss applies
     world_entropy: float = float("nan")  # of the rows trained on (all of them when adaptive)
     skipped_steps: int = 0             # optimizer updates skipped (loss or grad norm not finite)
     bad_in_a_row: int = 0              # skips in a row the loss scale could not cure
@@ -261,7 +243,7 @@ def grpo_step(args, run, rows, state):
     # the sampler's own log-prob of each token it drew
     t_gen = time.time()
     with autocast(args, device):
-        completion_ids, mask, truncated, sampler_logps = rollout(                # [rows, T]
+        completion_ids, mask, no_eos, sampler_logps = rollout(                # [rows, T]
             policy, prompt_ids, prompt_mask, run.tokenizer, max_gen_len=args.max_gen_len,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             static_cache=use_static_cache(args, device))
@@ -275,13 +257,13 @@ def grpo_step(args, run, rows, state):
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
     advantages = compute_advantages(rewards, G, args.scale_rewards, batch_std).to(device)  # [rows]
     if args.mask_truncated_completions:  # no EOS: the reward stands, the tokens count for nothing
-        mask = mask * (~truncated).unsqueeze(1)
+        mask = mask * (~no_eos).unsqueeze(1)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)                       # [rows, P + T]
     attention_mask = torch.cat([prompt_mask, mask], 1)
     T = completion_ids.shape[1]
 
     # the rows to train on: all, or those whose advantage is not 0 (where skipping is exact)
-    kept = rows_to_train(args, run, advantages, mask, state.entropy_coef_applied)  # [kept]
+    kept = rows_to_train(args, run, advantages, mask, state.next_alpha)  # [kept]
     # 5-6. reference and old log-probs of those rows: plain tensors, no graph (old only when
     # mu > 1; else the loss uses logps.detach())
     ref_logps, old_logps = reference_and_old_logps(run, args, input_ids, attention_mask, T, kept)
@@ -291,11 +273,11 @@ def grpo_step(args, run, rows, state):
     widest, most_kept = world_max(input_ids.shape[1], len(kept), device=device)
     micro = args.micro_batch_size or auto_micro_batch(len(rows), widest, args)
     S = math.ceil(most_kept / micro)
-    alpha, applied = state.entropy_coef_applied, False   # alpha: set after the previous step
+    alpha, applied = state.next_alpha, False   # alpha: set after the previous step
 
     for it in range(args.num_iterations):  # mu updates per rollout
-        sums = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
-                "entropy_sum": 0.0, "tokens": 0.0, "rows": len(kept)}
+        totals = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
+                  "entropy_sum": 0.0, "tokens": 0.0, "rows": len(kept)}  # over the micro-batches
         gaps, gap_masks = [sampler_logps[:0]], [mask[:0]]  # old - sampler logp, masks
         for m in range(S):
             idx = kept[m * micro:(m + 1) * micro]
@@ -334,7 +316,7 @@ def grpo_step(args, run, rows, state):
             # 12. MoE: the router's load-balancing loss, times the config's coefficient
             if aux is not None:
                 loss = loss + policy.config.router_aux_loss_coef * aux / S
-                sums["aux"] += aux.item() / S
+                totals["aux"] += aux.item() / S
             # 13. backward: gradients add up over the micro-batches (fp16: loss x scale, so small
             # gradients do not flush to 0)
             run.scaler.scale(loss).backward()
@@ -343,12 +325,12 @@ def grpo_step(args, run, rows, state):
                          ("tokens", tokens), ("kl_sum", stats.get("kl_sum", 0.0)),
                          ("clip", stats["clip_ratio"] * tokens),
                          ("entropy_sum", (entropy.detach() * mask[idx]).sum())):
-                sums[k] += float(v)
+                totals[k] += float(v)
         if S == 0:  # AdamW steps as it would after backward on rows with A = 0: on zero gradients
             for p in policy.parameters():
                 p.grad = torch.zeros_like(p) if p.requires_grad else None
         if it == 0:  # the policy that sampled: its entropy and its mismatch with the sampler
-            first = dict(sums, gap=torch.cat(gaps), gap_mask=torch.cat(gap_masks))  # [trained, T]
+            first = dict(totals, gap=torch.cat(gaps), gap_mask=torch.cat(gap_masks))  # [trained, T]
         # 13. unscale (fp16), clip the global grad norm, AdamW; a step whose loss or grad norm is
         # not finite on any rank is skipped on every rank (update_is_finite: a world decision)
         run.scaler.unscale_(run.optimizer)  # the true loss's gradients: the clip sees real values
@@ -356,7 +338,7 @@ def grpo_step(args, run, rows, state):
             policy.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
             grad_norm = grad_norm.full_tensor()
-        if update_is_finite(run, state, sums["loss"], grad_norm):
+        if update_is_finite(run, state, totals["loss"], grad_norm):
             run.scaler.step(run.optimizer)  # optimizer.step(), the gradients unscaled
             run.scaler.update()
             applied = True
@@ -370,13 +352,13 @@ def grpo_step(args, run, rows, state):
     # so every rank holds the same c
     state.world_entropy = world_mean(first["entropy_sum"], first["tokens"], device=device)
     if args.use_adaptive_entropy:
-        state.entropy_coef, state.entropy_coef_applied = update_entropy_coef(
+        state.entropy_coef, state.next_alpha = update_entropy_coef(
             state.entropy_coef, state.world_entropy, target=args.entropy_target,
             delta=args.entropy_coef_delta, coef_min=args.entropy_coef_min,
             coef_max=args.entropy_coef_max)
 
     # 14. log: world values (sums and counts over the ranks, or the world's min and max)
-    record = step_metrics(run, state, rewards, advantages, mask, truncated, sums, first,
+    record = step_metrics(run, state, rewards, advantages, mask, no_eos, totals, first,
                           n_cut // G, G, num_items)
     dt = time.time() - t0
     record.update(entropy_coef_applied=alpha, grad_norm=grad_norm.item(), lr=lr, step_time=dt,
@@ -414,59 +396,20 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
             temperature=1.0, top_p=1.0, top_k=0, static_cache=False):
     """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T],
-    truncated [rows], and the sampler's log-prob of each completion token [rows, T] (0 outside the
-    mask; None if greedy).
-
-    The sampling distribution is truncate_logits(z / temperature, top_k, top_p), applied by
-    SamplerLogps, and nothing else: a checkpoint's generation_config.json (repetition_penalty,
-    no_repeat_ngram_size, ...) would make the sampler draw from a distribution the loss never
-    scores, so it is set aside here. static_cache: a fixed-size KV cache, whose decode step
-    transformers compiles on CUDA. The compiled step reads the
-    parameters as inputs, so it sees every update."""
-    from transformers import GenerationConfig, LogitsProcessorList
-    # stop on, and mask after, every EOS the checkpoint declares
-    eos = eos_token_ids(policy, tokenizer)
+    no_eos [rows], and the sampler's log-prob of each completion token [rows, T] (0 outside the
+    mask; None if greedy). The sampling distribution is top_k_top_p_filter(z / temperature, top_k,
+    top_p), applied by SamplerLogps, and nothing else: plain_generate sets aside a checkpoint's
+    generation_config.json (repetition_penalty, ...: a distribution the loss never scores)."""
+    eos = eos_token_ids(policy, tokenizer)  # stop on, and mask after, every EOS declared
     sampler = SamplerLogps(temperature, top_k, top_p) if do_sample else None
-    # generate's own temperature/top-k/top-p off (SamplerLogps applies them; top_k 0, not the
-    # library's default 50); greedy sets none (transformers warns of sampling flags when greedy)
-    off = dict(temperature=1.0, top_p=1.0, top_k=0) if do_sample else {}
-    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=do_sample, **off,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-                              bos_token_id=tokenizer.bos_token_id,
-                              cache_implementation="static" if static_cache else None)
-    # the compiled decode is specialized to the cache's shape: widths in steps of 64, not 1
-    if static_cache:
-        pad = -input_ids.shape[1] % 64
-        input_ids = torch.nn.functional.pad(input_ids, (pad, 0), value=tokenizer.pad_token_id)
-        attention_mask = torch.nn.functional.pad(attention_mask, (pad, 0), value=0)
-    was_training, checkpoint_config = policy.training, policy.generation_config
-    policy.eval()
-    # generate() fills unset fields from this: library defaults only
-    policy.generation_config = GenerationConfig()
-    try:
-        with gathered(policy):
-            processors = LogitsProcessorList([sampler] if sampler else [])
-            out = policy.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                  generation_config=config, logits_processor=processors)
-    finally:
-        policy.generation_config = checkpoint_config
-        policy.train(was_training)
-    completion_ids = out[:, input_ids.shape[1]:]                                  # [rows, T]
-    mask, truncated = completion_mask(completion_ids, eos)
+    completion_ids = plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eos,
+                                    sampler, static_cache)                        # [rows, T]
+    mask, no_eos = completion_mask(completion_ids, eos)
     sampler_logps = None
     # after EOS generate writes pads, which the truncation may have dropped (-inf)
     if sampler is not None:
         sampler_logps = torch.where(mask.bool(), sampler.finish(completion_ids), 0.0)
-    return completion_ids, mask, truncated, sampler_logps
-
-
-def eos_token_ids(model, tokenizer):
-    """Every id that ends a completion: the tokenizer's EOS and those the checkpoint's generation
-    config declares (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama-3-Instruct: three
-    ids)."""
-    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    declared = declared if isinstance(declared, (list, tuple)) else [declared]
-    return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
+    return completion_ids, mask, no_eos, sampler_logps
 
 
 class SamplerLogps:
@@ -482,7 +425,7 @@ class SamplerLogps:
     def __call__(self, input_ids, scores):                                       # scores [rows, V]
         if self.previous is not None:
             self.logps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        scores = truncate_logits(scores.float() / self.temperature, self.top_k, self.top_p)
+        scores = top_k_top_p_filter(scores.float() / self.temperature, self.top_k, self.top_p)
         self.previous = torch.log_softmax(scores, dim=-1)
         return scores
 
@@ -491,18 +434,14 @@ class SamplerLogps:
         return torch.stack(self.logps + [last], dim=1)
 
 
-def decode_completions(tokenizer, completion_ids, mask):
-    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
-            for ids, m in zip(completion_ids, mask)]
-
-
 # --------------------------------------------------------------------------------------------------
 # Stages 3-4. Rewards and advantages
 # --------------------------------------------------------------------------------------------------
 def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None):
     # r_i = sum_k w_k * reward_k(o_i) over the rewards that apply to o_i: None means "does not
-    # apply" (TRL: NaN, then nansum). A sample no reward applies to, a reward that raises, or a
-    # value that is neither None nor a finite number stops the run with the sample named
+    # apply" (TRL: NaN, then nansum). reward_values calls f per sample, f(completion, **row), or
+    # once in TRL's batched form. A sample no reward applies to, a reward that raises, or a value
+    # that is neither None nor a finite number stops the run with the sample named
     rewards, applies = torch.zeros(len(completions)), [False] * len(completions)
     for fn, w in zip(reward_fns, weights):
         for i, value in enumerate(reward_values(fn, completions, completion_ids, rows)):
@@ -522,60 +461,6 @@ def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None)
         raise TrainerError(f"every reward function returned None (does not apply) "
                            f"{sample_name(i, completions[i], rows[i])}")
     return rewards
-
-
-def reward_values(fn, completions, completion_ids, rows):
-    """One reward function's value (or None) for each sample. TRL's batched form, recognised by a
-    parameter named `completions`, is called once on all of them; the per-sample form once each."""
-    if "completions" not in inspect.signature(fn).parameters:
-        values = []
-        for i, (c, row) in enumerate(zip(completions, rows)):
-            try:
-                values.append(call_reward(fn, c, row))
-            except Exception as e:
-                raise TrainerError(f"reward {fn.__name__} raised {sample_name(i, c, row)}: "
-                                   f"{type(e).__name__}: {e}") from None
-        return values
-    try:
-        values = call_batched_reward(fn, completions, completion_ids, rows)
-    except Exception as e:
-        raise TrainerError(f"reward {fn.__name__} raised on this step's {len(rows)} samples: "
-                           f"{type(e).__name__}: {e}") from None
-    values = values.tolist() if hasattr(values, "tolist") else values  # an array or a tensor
-    if not isinstance(values, (list, tuple)) or len(values) != len(rows):
-        raise TrainerError(f"reward {fn.__name__} returned {values!r:.40}, not a list of "
-                           f"{len(rows)} values (one per completion, TRL's batched form)")
-    return values
-
-
-def sample_name(i, completion, row):
-    return f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {completion[:60]!r})"
-
-
-def call_reward(fn, completion, row):
-    # f(completion, **row): the row's fields that f names (all of them if it takes **kwargs)
-    row = {k: v for k, v in row.items() if k != DATASET_PROMPT}  # 'prompt': the rendered text
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(completion, **row)
-    return fn(completion, **{k: v for k, v in row.items() if k in params})
-
-
-def call_batched_reward(fn, completions, completion_ids, rows):
-    """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), every
-    other dataset column as a list (those f names, or all of them if it takes **kwargs). Chat
-    prompts: `prompts` are the dataset's message lists and each completion is
-    [{"role": "assistant", "content": text}]."""
-    prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
-    if not isinstance(prompts[0], str):  # conversational
-        completions = [[{"role": "assistant", "content": c}] for c in completions]
-    kwargs = {k: [r[k] for r in rows] for k in rows[0]
-              if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
-    kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(**kwargs)
 
 
 def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
@@ -635,15 +520,6 @@ def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept):
     return out
 
 
-def auto_micro_batch(rows, width, args):
-    """Rows per micro-batch when --micro_batch_size is 0: all of them for the built-in model; for
-    a real model the largest divisor of rows whose micro-batch holds <= --micro_batch_tokens."""
-    if not args.model_name_or_path:
-        return rows
-    fits = [d for d in range(1, rows + 1) if rows % d == 0 and d * width <= args.micro_batch_tokens]
-    return max(fits or [1])
-
-
 def scored_distribution(args):
     """The distribution the trainer scores tokens under: the sampler's (replay), or the full
     tempered one."""
@@ -657,13 +533,11 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
                      with_entropy=True):
     """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states
     through lm_head in chunks of chunk_size tokens (0: auto_chunk_tokens(V)), so [rows, T, V] logits
-    never exist at once. temperature, top_k, top_p: the distribution scored (truncate_logits); top_k
-    0 and top_p 1 score the full one. Call it with the DDP-wrapped model: its forward is what makes
-    DDP all-reduce the gradients. Without grad (reference, old log-probs) it runs the decoder alone,
-    which keeps no layer's hidden states but the last.
-
-    Returns logps [rows, T], entropy [rows, T] (graph only if entropy_grad), router aux loss (MoE)
-    or None."""
+    never exist at once. temperature, top_k, top_p: the distribution scored (top_k_top_p_filter;
+    0 and 1: the full one). Call it with the DDP wrapper: its forward makes DDP all-reduce the
+    gradients. Without grad (reference, old log-probs) it runs the decoder alone, which keeps no
+    layer's hidden states but the last. Returns logps [rows, T], entropy [rows, T] (a graph only if
+    entropy_grad), the router's aux loss (MoE) or None."""
     T = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)   # as generate() computes them
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -724,7 +598,7 @@ def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entro
         logits.div_(sampling["temperature"])   # in place: no second [c, V] (nothing saved it)
     # sampling replay: score under the truncation the sampler used, renormalized over the kept set
     # (the sampled token always kept): logp = z[o] - logsumexp(z[kept])
-    scored = truncate_logits(logits, sampling["top_k"], sampling["top_p"], keep=targets)
+    scored = top_k_top_p_filter(logits, sampling["top_k"], sampling["top_p"], keep=targets)
     logps = selective_log_softmax(scored, targets)
     if not with_entropy:
         return logps, torch.zeros_like(logps.detach())
@@ -736,7 +610,7 @@ def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entro
     return logps, entropy
 
 
-def truncate_logits(z, top_k=0, top_p=1.0, keep=None):
+def top_k_top_p_filter(z, top_k=0, top_p=1.0, keep=None):
     """Top-k, then top-p, as generate applies them (its order, its ties): dropped tokens get -inf,
     so a softmax renormalizes over the kept set. keep [N]: a token id per row that stays whatever
     (the sampled one). z: [N, V] logits already divided by the temperature."""
@@ -765,7 +639,7 @@ def completion_mask(completion_ids, eos_token_id):
     never = torch.full_like(is_eos[:, 0], T, dtype=torch.long)
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)
     positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
-    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)  # mask [rows, T], truncated
+    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)  # mask, no_eos [rows]
 
 
 def selective_log_softmax(logits, index):
@@ -847,7 +721,6 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
         stats["kl_sum"] = (kl * mask).sum().detach()                              # logged: a sum
-        stats["kl"] = stats["kl_sum"] / mask.sum().clamp(min=1)
     if entropy is not None and entropy_coef != 0.0:
         per_token = per_token - entropy_coef * entropy                            # - alpha * H
     loss = aggregate(per_token, mask, **norm)
@@ -876,7 +749,7 @@ def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, w
 
 
 # --------------------------------------------------------------------------------------------------
-# Stages 11, 14. The next step's entropy coefficient; the step's record
+# Stage 11. The next step's entropy coefficient: one world number on every rank
 # --------------------------------------------------------------------------------------------------
 def world_mean(local_sum, local_count, device="cpu"):
     # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of rank means
@@ -893,86 +766,15 @@ def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_ma
     return max(coef - delta, coef_min), 0.0
 
 
-def step_metrics(run, state, rewards, advantages, mask, truncated, sums, first, prompts_cut, G,
-                 num_items):
-    """The step's record: world values (sums and counts over ranks, or the world's min and max).
-    With mu > 1 it mixes two updates: loss, policy_loss, kl, clip_ratio and grad_norm are the last
-    update's (`sums`), entropy and the sampler mismatch the first's (`first`: the policy that
-    sampled). entropy, clip_ratio and the sampler mismatch cover the rows trained on (rows_trained,
-    all ranks; all rows unless zero-advantage rows are skipped); a step that trains no token leaves
-    them out."""
-    world, device = run.world, run.device
-    grouped = rewards.view(-1, G)
-    zero_std = (grouped.amax(1) == grouped.amin(1)).float().mean()  # groups whose rewards all tie
-    (r_mean, r_sq, adv_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut, trained,
-     tokens) = world_sum(rewards.mean(), (rewards ** 2).mean(), (advantages ** 2).mean(),
-                         mask.sum(1).float().mean(), truncated.float().mean(), zero_std,
-                         sums["loss"], sums["policy_loss"], sums["kl_sum"], sums["clip"],
-                         sums["aux"], prompts_cut, sums["rows"], sums["tokens"], device=device)
-    state.truncated_prompts += int(cut)
-    n = max(num_items, 1.0)
-    record = {"reward": r_mean / world,
-              "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
-              "frac_reward_zero_std": zero_std / world, "advantage_std": math.sqrt(adv_sq / world),
-              "loss": loss / world, "policy_loss": pl / world,
-              "kl": kl / n,  # a masked mean over all tokens of all ranks
-              "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
-              "clip_ratio": clip / max(tokens, 1.0), "completion_len": c_len / world,
-              "truncated_frac": trunc / world, "rows_trained": int(trained),
-              # the policy that sampled against the sampler, per masked token trained on
-              **sampler_mismatch(first["gap"], first["gap_mask"], device),
-              "skipped_steps": state.skipped_steps, "skipped_steps_in_a_row": state.bad_in_a_row,
-              "truncated_prompts": state.truncated_prompts}
-    if tokens == 0:  # no token trained: no entropy, clipping or mismatch was measured
-        for k in ("entropy", "clip_ratio", "sampler_logp_diff_mean", "sampler_logp_diff_max",
-                  "is_ratio_min", "is_ratio_mean", "is_ratio_max"):
-            del record[k]
-    if is_moe(run.model):
-        record["aux_loss"] = aux / world
-    return record
-
-
-def sampler_mismatch(gap, mask, device="cpu"):
-    """The five mismatch metrics over the masked tokens of all ranks, from gap [rows, T] = the
-    trainer's old log-prob - the sampler's: |gap| (mean, max), rho = exp(gap) (min, mean, max)."""
-    on = mask.bool()
-    diff, rho = gap[on].abs(), gap[on].exp()
-    n, diff_sum, ratio_sum = world_sum(on.sum(), diff.sum(), rho.sum(), device=device)
-    some = on.any()  # a rank without masked tokens takes no part in the world's max and min
-    diff_max, ratio_max, neg_ratio_min = world_max(
-        diff.max() if some else 0.0, rho.max() if some else -math.inf,
-        -rho.min() if some else -math.inf, device=device)
-    return {"sampler_logp_diff_mean": diff_sum / max(n, 1.0), "sampler_logp_diff_max": diff_max,
-            "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio_sum / max(n, 1.0),
-            "is_ratio_max": ratio_max}
-
-
 # --------------------------------------------------------------------------------------------------
 # The loop: set up, then one grpo_step per step
 # --------------------------------------------------------------------------------------------------
 def train(args, rank, world, device):
-    """Set up (model, data, DDP/FSDP, reference, optimizer), start or resume, then the loop."""
-    master, started = rank == 0, time.time()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-
-    # --- model, data, DDP, reference, optimizer ---
-    policy, tokenizer = load_model_and_tokenizer(args, device)
-    task = load_task(args, tokenizer, world)
+    """Set up, start or resume, then the loop: prompts, one GRPO step, evaluate, log, save."""
+    started = time.time()
+    # model (DDP/FSDP-wrapped as `model`), data, the built-in task's supervised warm-up
+    policy, model, tokenizer, task, sampler = set_up(args, rank, world, device)
     train_rows, eval_rows, reward_fns, weights, (eval_key, score) = task
-    if master:
-        describe_task(args, train_rows, eval_rows)
-    if not eval_rows:  # an empty test split, or a file of fewer than 10 rows: nothing to evaluate
-        args.eval_interval = 0
-    sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
-                                 shuffle=True, seed=args.seed, drop_last=True)
-    model = policy
-    if world > 1:
-        model = shard_fsdp(policy, args, world) if args.fsdp else wrap_ddp(policy, device)
-    if not args.model_name_or_path and args.sft_warmup_steps > 0:
-        # deterministic, so a resumed run redoes it and gets the same reference model
-        sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
     ref_model = None
     if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
         ref_model = frozen_copy(policy, getattr(torch, args.dtype))
@@ -986,27 +788,19 @@ def train(args, rank, world, device):
 
     # --- the loop: prompts, one GRPO step, evaluate, log, save ---
     model.train()
-    warned_cut, rows_per_step = False, args.batch_size * args.num_generations * world
     bar = tqdm(range(state.step + 1, args.max_steps + 1), initial=state.step, total=args.max_steps,
-               disable=not master, desc="grpo")
+               disable=rank != 0, desc="grpo")
     for step in bar:
         state.step = step
         rows = next_prompts(sampler, train_rows, state, args.batch_size)
         cut_before = state.truncated_prompts
         record = {"step": step, **grpo_step(args, run, rows, state)}
-        if state.truncated_prompts > cut_before and not warned_cut and master:
-            print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are "
-                  "left-truncated")
-            warned_cut = True
         stop_if_failing(args, state, step)
         if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
             record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world,
                                         device)
         log_metrics(metrics_path, record, rank, report)
-        bar.set_postfix(reward=f"{record['reward']:.3f}", eval=record.get(eval_key, ""),
-                        gen=f"{record['generate_share']:.0%}", mem=f"{record['peak_mem_gib']:.1f}G",
-                        is_max=f"{record.get('is_ratio_max', math.nan):.3f}",
-                        rows=f"{record['rows_trained']}/{rows_per_step}")
+        show_progress(bar, record, args, state, cut_before, eval_key, world)
         stopping = args.stop_after and step >= args.stop_after
         periodic = args.save_interval and step % args.save_interval == 0
         if periodic or step == args.max_steps or stopping:
@@ -1019,32 +813,17 @@ def train(args, rank, world, device):
         close_report()
     barrier()
     return {"model": policy, "step": state.step, "entropy_coef": state.entropy_coef,
-            "entropy_coef_applied": state.entropy_coef_applied,
+            "next_alpha": state.next_alpha,
             "world_entropy": state.world_entropy}
 
 
-def next_prompts(sampler, train_rows, state, batch_size):
-    """Step 1: this rank's B prompts, in the DistributedSampler's order (a new one each epoch)."""
-    sampler.set_epoch(state.sampler_epoch)
-    order = list(sampler)
-    if state.sampler_pos + batch_size > len(order):
-        state.sampler_epoch, state.sampler_pos = state.sampler_epoch + 1, 0
-        sampler.set_epoch(state.sampler_epoch)
-        order = list(sampler)
-    rows = [train_rows[i] for i in order[state.sampler_pos:state.sampler_pos + batch_size]]
-    state.sampler_pos += batch_size
-    return rows
-
-
 def frozen_copy(policy, dtype):
-    """The reference model: a frozen copy of the policy as it is now, unsharded, that computes
+    """The reference model: a frozen, unsharded copy of the policy as it is now, that computes
     exactly what the policy computes at equal weights. Under autocast the policy's Linear layers
-    read a --dtype copy of their fp32 weights; the reference stores just that copy (2 bytes per
-    parameter in bf16) and keeps everything else as the policy has it: embeddings (and an lm_head
-    tied to them), norms, MoE expert tensors and buffers such as RoPE's inv_freq stay fp32. Casting
-    the whole copy instead (`.to(bf16)`) rounds inv_freq, the residual stream and the norms: a
-    reference that never existed, and KL != 0 at step 1. Under FSDP the policy's parameters all
-    arrive in --dtype (its MixedPrecisionPolicy), so the reference's all are."""
+    read a --dtype copy of their fp32 weights: the reference stores just that copy, and keeps the
+    rest as the policy has it (embeddings and a head tied to them, norms, MoE expert tensors, RoPE's
+    inv_freq: fp32). `.to(bf16)` on the whole copy would round those too: KL != 0 at step 1. Under
+    FSDP every parameter arrives in --dtype (its MixedPrecisionPolicy), so the reference's do."""
     import copy
     if not is_fsdp(policy):
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -1064,31 +843,6 @@ def frozen_copy(policy, dtype):
     for p in ref.parameters():
         p.data = p.data.to(dtype)
     return ref.eval().requires_grad_(False)
-
-
-def build_optimizer(policy, args):
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
-        s, warmup_steps=args.warmup_steps, max_steps=args.max_steps, schedule=args.lr_scheduler))
-    return optimizer, scheduler
-
-
-def lr_factor(step, *, warmup_steps, max_steps, schedule):
-    # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
-    # (constant) or 0.5 (1 + cos(pi * progress)) (cosine), progress = (step - warmup) /
-    # (max_steps - warmup)
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def loss_scaler(dtype, device):
-    # fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none); inert otherwise
-    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
 
 
 # ==================================================================================================
@@ -1770,6 +1524,185 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 
 
 # --------------------------------------------------------------------------------------------------
+# Reward functions: the two ways one is called (per sample; TRL's batched form)
+# --------------------------------------------------------------------------------------------------
+def reward_values(fn, completions, completion_ids, rows):
+    """One reward function's value (or None) for each sample. TRL's batched form, recognised by a
+    parameter named `completions`, is called once on all of them; the per-sample form once each."""
+    if "completions" not in inspect.signature(fn).parameters:
+        values = []
+        for i, (c, row) in enumerate(zip(completions, rows)):
+            try:
+                values.append(call_reward(fn, c, row))
+            except Exception as e:
+                raise TrainerError(f"reward {fn.__name__} raised {sample_name(i, c, row)}: "
+                                   f"{type(e).__name__}: {e}") from None
+        return values
+    try:
+        values = call_batched_reward(fn, completions, completion_ids, rows)
+    except Exception as e:
+        raise TrainerError(f"reward {fn.__name__} raised on this step's {len(rows)} samples: "
+                           f"{type(e).__name__}: {e}") from None
+    values = values.tolist() if hasattr(values, "tolist") else values  # an array or a tensor
+    if not isinstance(values, (list, tuple)) or len(values) != len(rows):
+        raise TrainerError(f"reward {fn.__name__} returned {values!r:.40}, not a list of "
+                           f"{len(rows)} values (one per completion, TRL's batched form)")
+    return values
+
+
+def sample_name(i, completion, row):
+    return f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {completion[:60]!r})"
+
+
+def call_reward(fn, completion, row):
+    # f(completion, **row): the row's fields that f names (all of them if it takes **kwargs)
+    row = {k: v for k, v in row.items() if k != DATASET_PROMPT}  # 'prompt': the rendered text
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(completion, **row)
+    return fn(completion, **{k: v for k, v in row.items() if k in params})
+
+
+def call_batched_reward(fn, completions, completion_ids, rows):
+    """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), every
+    other dataset column as a list (those f names, or all of them if it takes **kwargs). Chat
+    prompts: `prompts` are the dataset's message lists and each completion is
+    [{"role": "assistant", "content": text}]."""
+    prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
+    if not isinstance(prompts[0], str):  # conversational
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    kwargs = {k: [r[k] for r in rows] for k in rows[0]
+              if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
+    kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop's tools: data order, optimizer and schedule, loss scale, micro-batch size, decoding
+# --------------------------------------------------------------------------------------------------
+def set_up(args, rank, world, device):
+    """Seeds, the policy and its tokenizer, the task, this rank's data order, the DDP/FSDP wrapper
+    (`model`; `policy` is the bare model), and the built-in task's supervised warm-up."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    policy, tokenizer = load_model_and_tokenizer(args, device)
+    task = load_task(args, tokenizer, world)
+    train_rows, eval_rows = task[:2]
+    if rank == 0:
+        describe_task(args, train_rows, eval_rows)
+    if not eval_rows:  # an empty test split, or a file of fewer than 10 rows: nothing to evaluate
+        args.eval_interval = 0
+    sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
+                                 shuffle=True, seed=args.seed, drop_last=True)
+    model = policy
+    if world > 1:
+        model = shard_fsdp(policy, args, world) if args.fsdp else wrap_ddp(policy, device)
+    if not args.model_name_or_path and args.sft_warmup_steps > 0:
+        # deterministic, so a resumed run redoes it and gets the same reference model
+        sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
+    return policy, model, tokenizer, task, sampler
+
+
+def next_prompts(sampler, train_rows, state, batch_size):
+    """Step 1: this rank's B prompts, in the DistributedSampler's order (a new one each epoch)."""
+    sampler.set_epoch(state.sampler_epoch)
+    order = list(sampler)
+    if state.sampler_pos + batch_size > len(order):
+        state.sampler_epoch, state.sampler_pos = state.sampler_epoch + 1, 0
+        sampler.set_epoch(state.sampler_epoch)
+        order = list(sampler)
+    rows = [train_rows[i] for i in order[state.sampler_pos:state.sampler_pos + batch_size]]
+    state.sampler_pos += batch_size
+    return rows
+
+
+def build_optimizer(policy, args):
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, warmup_steps=args.warmup_steps, max_steps=args.max_steps, schedule=args.lr_scheduler))
+    return optimizer, scheduler
+
+
+def lr_factor(step, *, warmup_steps, max_steps, schedule):
+    # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
+    # (constant) or 0.5 (1 + cos(pi * progress)) (cosine), progress = (step - warmup) /
+    # (max_steps - warmup)
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def loss_scaler(dtype, device):
+    # fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none); inert otherwise
+    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
+
+
+def auto_micro_batch(rows, width, args):
+    """Rows per micro-batch when --micro_batch_size is 0: all of them for the built-in model; for
+    a real model the largest divisor of rows whose micro-batch holds <= --micro_batch_tokens."""
+    if not args.model_name_or_path:
+        return rows
+    fits = [d for d in range(1, rows + 1) if rows % d == 0 and d * width <= args.micro_batch_tokens]
+    return max(fits or [1])
+
+
+def plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eos, sampler,
+                   static_cache):
+    """policy.generate, in eval mode, with no sampling rule of its own (SamplerLogps applies
+    temperature, top-k and top-p; greedy when sampler is None) and none of the checkpoint's
+    generation_config: only the library's defaults fill unset fields. static_cache: a fixed-size
+    KV cache, whose decode step transformers compiles on CUDA (the compiled step reads the
+    parameters as inputs, so it sees every update). Returns the new tokens [rows, T]."""
+    from transformers import GenerationConfig, LogitsProcessorList
+    # generate's own temperature/top-k/top-p off (top_k 0, not the library's default 50); greedy
+    # sets none (transformers warns of sampling flags when greedy)
+    off = dict(temperature=1.0, top_p=1.0, top_k=0) if sampler else {}
+    config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=sampler is not None, **off,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                              bos_token_id=tokenizer.bos_token_id,
+                              cache_implementation="static" if static_cache else None)
+    # the compiled decode is specialized to the cache's shape: widths in steps of 64, not 1
+    if static_cache:
+        pad = -input_ids.shape[1] % 64
+        input_ids = torch.nn.functional.pad(input_ids, (pad, 0), value=tokenizer.pad_token_id)
+        attention_mask = torch.nn.functional.pad(attention_mask, (pad, 0), value=0)
+    was_training, checkpoint_config = policy.training, policy.generation_config
+    policy.eval()
+    policy.generation_config = GenerationConfig()  # generate() fills unset fields from this
+    try:
+        with gathered(policy):
+            processors = LogitsProcessorList([sampler] if sampler else [])
+            out = policy.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                  generation_config=config, logits_processor=processors)
+    finally:
+        policy.generation_config = checkpoint_config
+        policy.train(was_training)
+    return out[:, input_ids.shape[1]:]
+
+
+def eos_token_ids(model, tokenizer):
+    """Every id that ends a completion: the tokenizer's EOS and those the checkpoint's generation
+    config declares (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama-3-Instruct: three
+    ids)."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    declared = declared if isinstance(declared, (list, tuple)) else [declared]
+    return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
+            for ids, m in zip(completion_ids, mask)]
+
+
+# --------------------------------------------------------------------------------------------------
 # Processes and precision: torchrun, DDP, FSDP2, autocast
 # --------------------------------------------------------------------------------------------------
 def setup_distributed(args):
@@ -2095,7 +2028,7 @@ def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
         state = resume(args, ckpt, run, scheduler, rank, metrics_path)
         return state, metrics_path, open_report(args, rank, resumed_at=state.step)
     report = open_report(args, rank)
-    state = TrainState(entropy_coef=args.entropy_coef, entropy_coef_applied=args.entropy_coef)
+    state = TrainState(entropy_coef=args.entropy_coef, next_alpha=args.entropy_coef)
     # ranks sample differently; RNG no longer depends on the warmup
     torch.manual_seed(args.seed + 1 + rank)
     random.seed(args.seed + 1 + rank)
@@ -2152,6 +2085,63 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
 # --------------------------------------------------------------------------------------------------
 # Evaluation and reporting
 # --------------------------------------------------------------------------------------------------
+def step_metrics(run, state, rewards, advantages, mask, no_eos, totals, first, prompts_cut, G,
+                 num_items):
+    """The step's record: world values (sums and counts over ranks, or the world's min and max).
+    With mu > 1 it mixes two updates: loss, policy_loss, kl, clip_ratio and grad_norm are the last
+    update's (`totals`), entropy and the sampler mismatch the first's (`first`: the policy that
+    sampled). entropy, clip_ratio and the sampler mismatch cover the rows trained on (rows_trained,
+    all ranks; all rows unless zero-advantage rows are skipped); a step that trains no token leaves
+    them out."""
+    world, device = run.world, run.device
+    grouped = rewards.view(-1, G)
+    zero_std = (grouped.amax(1) == grouped.amin(1)).float().mean()  # groups whose rewards all tie
+    (r_mean, r_sq, a_mean, a_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut, trained,
+     tokens) = world_sum(rewards.mean(), (rewards ** 2).mean(), advantages.mean(),
+                         (advantages ** 2).mean(),
+                         mask.sum(1).float().mean(), no_eos.float().mean(), zero_std,
+                         totals["loss"], totals["policy_loss"], totals["kl_sum"], totals["clip"],
+                         totals["aux"], prompts_cut, totals["rows"], totals["tokens"],
+                         device=device)
+    state.truncated_prompts += int(cut)
+    n = max(num_items, 1.0)
+    record = {"reward": r_mean / world,
+              "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
+              "frac_reward_zero_std": zero_std / world,
+              "advantage_std": math.sqrt(max(a_sq / world - (a_mean / world) ** 2, 0.0)),
+              "loss": loss / world, "policy_loss": pl / world,
+              "kl": kl / n,  # a masked mean over all tokens of all ranks
+              "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
+              "clip_ratio": clip / max(tokens, 1.0), "completion_len": c_len / world,
+              "truncated_frac": trunc / world, "rows_trained": int(trained),
+              # the policy that sampled against the sampler, per masked token trained on
+              **sampler_mismatch(first["gap"], first["gap_mask"], device),
+              "skipped_steps": state.skipped_steps, "skipped_steps_in_a_row": state.bad_in_a_row,
+              "truncated_prompts": state.truncated_prompts}
+    if tokens == 0:  # no token trained: no entropy, clipping or mismatch was measured
+        for k in ("entropy", "clip_ratio", "sampler_logp_diff_mean", "sampler_logp_diff_max",
+                  "is_ratio_min", "is_ratio_mean", "is_ratio_max"):
+            del record[k]
+    if is_moe(run.model):
+        record["aux_loss"] = aux / world
+    return record
+
+
+def sampler_mismatch(gap, mask, device="cpu"):
+    """The five mismatch metrics over the masked tokens of all ranks, from gap [rows, T] = the
+    trainer's old log-prob - the sampler's: |gap| (mean, max), rho = exp(gap) (min, mean, max)."""
+    on = mask.bool()
+    diff, rho = gap[on].abs(), gap[on].exp()
+    n, diff_sum, ratio_sum = world_sum(on.sum(), diff.sum(), rho.sum(), device=device)
+    some = on.any()  # a rank without masked tokens takes no part in the world's max and min
+    diff_max, ratio_max, neg_ratio_min = world_max(
+        diff.max() if some else 0.0, rho.max() if some else -math.inf,
+        -rho.min() if some else -math.inf, device=device)
+    return {"sampler_logp_diff_mean": diff_sum / max(n, 1.0), "sampler_logp_diff_max": diff_max,
+            "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio_sum / max(n, 1.0),
+            "is_ratio_max": ratio_max}
+
+
 def describe_task(args, train_rows, eval_rows):
     """What the run trains on, said as it starts: the split, a task's defaults in effect."""
     print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never trained "
@@ -2200,6 +2190,18 @@ def peak_memory_gib(device):
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20                # KiB on Linux
+
+
+def show_progress(bar, record, args, state, cut_before, eval_key, world):
+    """The progress bar's line (rank 0); a warning when the run cuts its first prompt."""
+    if cut_before == 0 < state.truncated_prompts and not bar.disable:
+        print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are "
+              "left-truncated")
+    rows_per_step = args.batch_size * args.num_generations * world
+    bar.set_postfix(reward=f"{record['reward']:.3f}", eval=record.get(eval_key, ""),
+                    gen=f"{record['generate_share']:.0%}", mem=f"{record['peak_mem_gib']:.1f}G",
+                    is_max=f"{record.get('is_ratio_max', math.nan):.3f}",
+                    rows=f"{record['rows_trained']}/{rows_per_step}")
 
 
 def log_metrics(metrics_path, record, rank, report=None):

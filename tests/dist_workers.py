@@ -26,7 +26,7 @@ def train(rank, world, argv, out_dir, bypass_ddp=False):
     tg.tokenize_prompts = lambda tok, prompts, *a, **k: prompts_seen.append(sorted(set(prompts))) or tokenize(tok, prompts, *a, **k)
     res = tg.main(argv)
     torch.save({"params": {k: v.clone() for k, v in res["model"].state_dict().items()}, "prompts": prompts_seen,
-                "entropy_coef": res["entropy_coef"], "entropy_coef_applied": res["entropy_coef_applied"]},
+                "entropy_coef": res["entropy_coef"], "entropy_coef_applied": res["next_alpha"]},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -46,7 +46,7 @@ def one_step(**flags):
     applied = []                              # the norm of the gradient each optimizer step receives
     optimizer.register_step_pre_hook(lambda *_: applied.append(
         torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item()))
-    state = tg.TrainState(entropy_coef=args.entropy_coef, entropy_coef_applied=args.entropy_coef)
+    state = tg.TrainState(entropy_coef=args.entropy_coef, next_alpha=args.entropy_coef)
     calls = {"rollout": [], "lm_logits": [], "entropy_chunk": [], "generate": []}
     real_rollout, real_head, real_entropy = tg.rollout, tg.lm_logits, tg.entropy_from_logits
     real_generate = model.generate

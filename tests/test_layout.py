@@ -11,11 +11,11 @@ BANNER = next(i for i, line in enumerate(LINES, 1) if line.startswith("# PLUMBIN
 DEFINED = {n.name: n.lineno for n in ast.parse(SOURCE).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
 ALGORITHM = ["Args", "default_epsilon_high", "tokenize_prompts", "rollout", "completion_mask", "compute_rewards",
-             "call_reward", "compute_advantages", "selective_log_softmax", "entropy_from_logits", "completion_logps",
-             "chunked_logps", "truncate_logits", "grpo_loss", "aggregate", "importance_weights",
+             "compute_advantages", "selective_log_softmax", "entropy_from_logits", "completion_logps",
+             "chunked_logps", "top_k_top_p_filter", "grpo_loss", "aggregate", "importance_weights",
              "update_entropy_coef", "world_mean", "grpo_step",
              "train", "frozen_copy"]
-PLUMBING = ["check_args", "parse_args", "load_task", "load_rows", "load_reward_funcs", "load_model_and_tokenizer",
+PLUMBING = ["call_reward", "check_args", "parse_args", "load_task", "load_rows", "load_reward_funcs", "load_model_and_tokenizer",
             "lm_logits", "auto_chunk_tokens", "setup_distributed", "world_sum", "world_max", "world_std", "wrap_ddp",
             "shard_fsdp", "save_checkpoint", "load_weights", "resume", "evaluate", "log_metrics", "open_report",
             "main"]

@@ -50,10 +50,10 @@ def test_truncation_keeps_what_transformers_keeps():
     z = torch.randn(64, 50)
     z[:, 7] = z[:, 3]                                              # ties at the k-th value stay, as in HF
     for top_k, top_p in ((5, 1.0), (0, 0.7), (10, 0.5), (1, 0.9), (0, 0.01)):
-        ours = torch.isfinite(tg.truncate_logits(z, top_k, top_p))
+        ours = torch.isfinite(tg.top_k_top_p_filter(z, top_k, top_p))
         assert torch.equal(ours, hf_kept(z, top_k, top_p)), (top_k, top_p)
     keep = torch.randint(0, 50, (64,))                             # the sampled token is always kept
-    ours = torch.isfinite(tg.truncate_logits(z, 0, 0.3, keep=keep))
+    ours = torch.isfinite(tg.top_k_top_p_filter(z, 0, 0.3, keep=keep))
     assert ours.gather(1, keep[:, None]).all()
     assert torch.equal(ours, hf_kept(z, 0, 0.3).scatter(1, keep[:, None], True))
 

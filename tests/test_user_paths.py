@@ -212,7 +212,7 @@ def test_logged_kl_is_the_masked_mean_over_all_tokens_not_a_mean_of_micro_batch_
 
     def spy(logps, old, A, mask, **kw):
         loss, stats = real(logps, old, A, mask, **kw)
-        captured.setdefault("parts", []).append((stats["kl"].item(), mask.sum().item()))
+        captured.setdefault("parts", []).append((stats["kl_sum"].item() / mask.sum().item(), mask.sum().item()))
         return loss, stats
     tg.grpo_loss = spy
     try:
