@@ -125,7 +125,6 @@ class Args:
                                          "its tokens' mean of logp - old) (GSPO; for grpo, not "
                                          "cispo)", choices=("token", "sequence"))
     # entropy (README: The math, steps 10-11)
-    entropy_chunk_size: int = opt(128, "rows of logits per chunk when computing entropy")
     logp_chunk_size: int = opt(0, "tokens per lm_head chunk for log-probs (recomputed in "
                                "backward); 0: auto, a chunk's fp32 logits within 64 MiB")
     entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start "
@@ -291,7 +290,6 @@ def grpo_step(args, run, rows, state):
                 logps, entropy, aux = completion_logps(                           # [micro, T]
                     run.model, input_ids[idx], attention_mask[idx], T,
                     chunk_size=args.logp_chunk_size, entropy_grad=alpha != 0.0,
-                    entropy_chunk_size=args.entropy_chunk_size,
                     with_entropy=it == 0 or alpha != 0.0, **scored_distribution(args))
             if stand_in:  # the backward (and DDP's all-reduce) still runs, adding exactly 0
                 run.scaler.scale(0.0 * logps.sum()).backward()
@@ -529,8 +527,7 @@ def scored_distribution(args):
 
 
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
-                     top_k=0, top_p=1.0, chunk_size=0, entropy_grad=False, entropy_chunk_size=128,
-                     with_entropy=True):
+                     top_k=0, top_p=1.0, chunk_size=0, entropy_grad=False, with_entropy=True):
     """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states
     through lm_head in chunks of chunk_size tokens (0: auto_chunk_tokens(V)), so [rows, T, V] logits
     never exist at once. temperature, top_k, top_p: the distribution scored (top_k_top_p_filter;
@@ -561,12 +558,12 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     chunk_size = chunk_size or auto_chunk_tokens(vocab) // (4 if truncating else 1) or 1
     logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature, top_k=top_k,
                                    top_p=top_p, chunk_size=chunk_size, entropy_grad=entropy_grad,
-                                   entropy_chunk_size=entropy_chunk_size, with_entropy=with_entropy)
+                                   with_entropy=with_entropy)
     return logps, entropy, aux
 
 
 def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size,
-                  entropy_grad=False, entropy_chunk_size=128, with_entropy=True):
+                  entropy_grad=False, with_entropy=True):
     """hidden [rows, T, H] -> logps, entropy [rows, T], chunk_size tokens of logits at a time: the
     largest logits tensor is [chunk_size, V] however many rows there are."""
     rows, T = targets.shape
@@ -578,17 +575,15 @@ def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1
         h, y = flat_hidden[s:s + chunk_size], flat_targets[s:s + chunk_size]
         if torch.is_grad_enabled():  # keep the chunk's inputs; recompute its logits in backward
             lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, sampling, entropy_grad,
-                                 entropy_chunk_size, with_entropy, use_reentrant=False)
+                                 with_entropy, use_reentrant=False)
         else:
-            lp, ent = _chunk_logps_entropy(lm_head, h, y, sampling, False, entropy_chunk_size,
-                                           with_entropy)
+            lp, ent = _chunk_logps_entropy(lm_head, h, y, sampling, False, with_entropy)
         logps.append(lp)
         entropy.append(ent)
     return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T)
 
 
-def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entropy_chunk_size,
-                         with_entropy=True):
+def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, with_entropy=True):
     """One chunk: hidden [c, H] -> logits [c, V] (they exist only inside this chunk). lm_head:
     anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear).
     sampling: temperature, top_k, top_p of the distribution to score (top_k 0, top_p 1: the full
@@ -605,8 +600,7 @@ def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, entro
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         # only logged: no graph at all (detached, no_grad); a bonus: in the graph, recomputed in
         # backward. The entropy is the full (tempered) distribution's, truncated or not
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach(),
-                                      entropy_chunk_size)
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return logps, entropy
 
 
@@ -651,14 +645,11 @@ def selective_log_softmax(logits, index):
     return logps.view(index.shape)
 
 
-def entropy_from_logits(logits, chunk_size=128):
-    # H = logsumexp(z) - sum_v softmax(z)_v * z_v, over chunks of rows of the flat [N, V] logits
-    flat = logits.reshape(-1, logits.shape[-1])                                   # [N, V]
-    chunks = []
-    for s in range(0, flat.shape[0], chunk_size):
-        z = flat[s:s + chunk_size].float()
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
-    return torch.cat(chunks).view(logits.shape[:-1])                              # without V
+def entropy_from_logits(logits):
+    # H = logsumexp(z) - sum_v softmax(z)_v * z_v, per row of [.., V]: a few temporaries the size
+    # of z, which the caller's chunk bounds
+    z = logits.float()
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)   # without V
 
 
 # --------------------------------------------------------------------------------------------------
@@ -917,7 +908,7 @@ def check_args(args):
     """Every flag against what it means, before any work: one message per problem, naming it."""
     a = args
     positive = ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
-                "entropy_chunk_size", "learning_rate", "sft_learning_rate", "micro_batch_tokens",
+                "learning_rate", "sft_learning_rate", "micro_batch_tokens",
                 "temperature")
     non_negative = ("micro_batch_size", "logp_chunk_size", "top_k", "beta", "weight_decay",
                     "warmup_steps", "grad_clip", "sft_warmup_steps", "save_interval",
@@ -1309,14 +1300,12 @@ def load_task(args, tokenizer, world):
 # Models: the built-in tiny one, pretrained ones, the frozen reference, the warm start
 # --------------------------------------------------------------------------------------------------
 def build_char_tokenizer(chars):
-    """A character-level tokenizer made in-process: one token per character, plus <pad> <eos>
-    <unk>."""
+    """A character-level tokenizer made in-process: a token per character, <pad> <eos> <unk>."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + list(chars))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    # every character is a token
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # by character
     tok.decoder = decoders.Fuse()  # decode joins characters without spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    unk_token="<unk>", padding_side="left")
@@ -1327,13 +1316,12 @@ def build_tiny_model(vocab_size, use_moe, tokenizer):
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                  tie_word_embeddings=True,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                  bos_token_id=None)
+                  tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     if use_moe:
         config = Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=4,
-                                num_experts_per_tok=2,
-                                decoder_sparse_step=1, router_aux_loss_coef=0.01, **common)
+                                num_experts_per_tok=2, decoder_sparse_step=1,
+                                router_aux_loss_coef=0.01, **common)
         return Qwen3MoeForCausalLM(config)
     return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common))
 
@@ -1343,8 +1331,7 @@ def is_moe(model):
 
 
 def load_model_and_tokenizer(args, device):
-    """The built-in tiny model and character tokenizer, or from_pretrained of
-    --model_name_or_path."""
+    """The built-in tiny model and character tokenizer, or --model_name_or_path's."""
     if not args.model_name_or_path:
         tokenizer = build_char_tokenizer(REVERSE_ALPHABET + "=")
         model = build_tiny_model(len(tokenizer), args.use_moe, tokenizer)
@@ -1370,11 +1357,7 @@ def load_model_and_tokenizer(args, device):
         if args.use_moe and not is_moe(model):
             raise TrainerError(f"--use_moe 1 but {name} is a dense model "
                                f"({model.config.model_type})")
-        # MoE: completion_logps asks the forward for output_router_logits, so the aux loss
-        # arrives; generate() runs without it (its cached one-token steps would not match the
-        # attention mask)
-    # master weights; --dtype is the compute dtype (autocast)
-    model.to(device=device, dtype=torch.float32)
+    model.to(device=device, dtype=torch.float32)  # master weights; --dtype computes (autocast)
     if args.cast_lm_head_to_fp32 and args.dtype != "float32":
         cast_lm_head_to_fp32(model)
     disable_dropout(model)
@@ -1404,12 +1387,10 @@ def check_output_head(model):
     """Log-probs come from lm_logits(last hidden state): refuse a model whose forward does something
     else."""
     vocab = model.get_output_embeddings().weight.shape[0]
-    # [1, 8] arbitrary tokens
-    ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]
+    ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]      # 8 arbitrary tokens
     was_training = model.training
     out = model.eval()(input_ids=ids, output_hidden_states=True, use_cache=False)
-    # what the no-grad path reads
-    last = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    last = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # no-grad path
     model.train(was_training)
     ours, theirs = lm_logits(model, last).float(), out.logits.float()
     if not torch.equal(last, out.hidden_states[-1]):
@@ -1437,11 +1418,10 @@ def lm_logits(model, hidden):
 
 
 class Fp32Linear(torch.nn.Linear):
-    """--cast_lm_head_to_fp32: the model's own lm_head, its matmul in fp32 whatever autocast says:
-    z = float(h) @ float(W)^T. Under bf16 autocast a plain Linear rounds h and W to bf16 (8 bits of
-    mantissa) before the [., V] matmul: the largest source of sampler/trainer mismatch. Being the
-    model's head, generate and lm_logits both use it; parameters and state_dict keys are the
-    Linear's (an HF checkpoint still; a tied head stays tied)."""
+    """--cast_lm_head_to_fp32: the model's own lm_head, z = float(h) @ float(W)^T whatever autocast
+    says (bf16 autocast rounds h and W to 8 bits of mantissa first: the largest source of
+    sampler/trainer mismatch). generate and lm_logits both use it; parameters and state_dict keys
+    stay the Linear's (an HF checkpoint still; a tied head stays tied)."""
     def forward(self, hidden):
         with torch.autocast(hidden.device.type, enabled=False):
             bias = None if self.bias is None else self.bias.float()
@@ -1457,9 +1437,8 @@ def cast_lm_head_to_fp32(model):
     return model
 
 
-# The largest tensor of a step is one chunk's logits, [tokens, V]: bounded in bytes, it does not
-# grow with the vocabulary (a fixed token count would be 622 MB at 1,024 x 151,936 in fp32, 2.5x
-# that with its gradient)
+# The largest tensor of a step is one chunk's logits, [tokens, V]: bounded in bytes, not tokens
+# (1,024 tokens x 151,936 would be 622 MB in fp32, 2.5x that with its gradient)
 LOGITS_BUDGET_MIB = 64
 
 
@@ -1469,9 +1448,8 @@ def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
 
 
 def disable_dropout(model):
-    """RL scores the policy that sampled: dropout would make log-probs noisy (ratio != 1 and KL != 0
-    at equal weights), so every dropout probability is set to 0 (module attributes only; the saved
-    config keeps its own)."""
+    """Dropout would make log-probs noisy (ratio != 1, KL != 0 at equal weights): every dropout
+    probability is set to 0 (module attributes only; the saved config keeps its own)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -1481,18 +1459,17 @@ def disable_dropout(model):
 
 
 def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
-    """Built-in task only: a few supervised steps (teacher forcing) so the tiny model earns some
-    reward. The same batch_size rows per step whatever the number of ranks (each takes its share),
-    so the GRPO run under torchrun starts from the warm start of the one-process run."""
+    """Built-in task only: supervised steps (teacher forcing) so the tiny model earns some reward,
+    batch_size rows per step however many ranks share them (torchrun starts from the one-process
+    run's warm start). The GRPO update's rule: fp16 loss scaling, clip at 1, skips by all ranks."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
-    # the GRPO update's rule: fp16 loss scaling, clip at 1.0, a non-finite step skipped by all ranks
     sft = Run(model, None, opt, None, loss_scaler(args.dtype, device), tokenizer, [], [], world,
               device)
     state = TrainState()
     rng = random.Random(args.seed + 7)
     for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
-        rows = [train_rows[rng.randrange(len(train_rows))] for _ in range(args.batch_size)]
-        rows = rows[rank::world]
+        picks = [rng.randrange(len(train_rows)) for _ in range(args.batch_size)]
+        rows = [train_rows[i] for i in picks[rank::world]]
         ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len,
                                       device)
         answers = [tokenizer(r["answer"], add_special_tokens=False).input_ids for r in rows]
@@ -1527,13 +1504,15 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 # Reward functions: the two ways one is called (per sample; TRL's batched form)
 # --------------------------------------------------------------------------------------------------
 def reward_values(fn, completions, completion_ids, rows):
-    """One reward function's value (or None) for each sample. TRL's batched form, recognised by a
-    parameter named `completions`, is called once on all of them; the per-sample form once each."""
+    """One reward function's value (or None) for each sample. The per-sample form is called once
+    per sample, f(completion, **row); TRL's batched form, recognised by a parameter named
+    `completions`, once on all of them (call_batched_reward)."""
     if "completions" not in inspect.signature(fn).parameters:
         values = []
         for i, (c, row) in enumerate(zip(completions, rows)):
-            try:
-                values.append(call_reward(fn, c, row))
+            try:  # the row as the dataset has it ('prompt': the rendered text the policy saw)
+                values.append(call_reward(fn, c, **{k: v for k, v in row.items()
+                                                    if k != DATASET_PROMPT}))
             except Exception as e:
                 raise TrainerError(f"reward {fn.__name__} raised {sample_name(i, c, row)}: "
                                    f"{type(e).__name__}: {e}") from None
@@ -1554,30 +1533,25 @@ def sample_name(i, completion, row):
     return f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {completion[:60]!r})"
 
 
-def call_reward(fn, completion, row):
-    # f(completion, **row): the row's fields that f names (all of them if it takes **kwargs)
-    row = {k: v for k, v in row.items() if k != DATASET_PROMPT}  # 'prompt': the rendered text
+def call_reward(fn, *args, **kwargs):
+    # f(*args, **kwargs), the keyword arguments f names (all of them if it takes **kwargs)
     params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(completion, **row)
-    return fn(completion, **{k: v for k, v in row.items() if k in params})
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
 
 
 def call_batched_reward(fn, completions, completion_ids, rows):
     """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), every
-    other dataset column as a list (those f names, or all of them if it takes **kwargs). Chat
-    prompts: `prompts` are the dataset's message lists and each completion is
-    [{"role": "assistant", "content": text}]."""
+    other dataset column as a list. Chat prompts: `prompts` are the dataset's message lists and
+    each completion is [{"role": "assistant", "content": text}]."""
     prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
     if not isinstance(prompts[0], str):  # conversational
         completions = [[{"role": "assistant", "content": c}] for c in completions]
-    kwargs = {k: [r[k] for r in rows] for k in rows[0]
-              if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
-    kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(**kwargs)
+    columns = {k: [r[k] for r in rows] for k in rows[0]
+               if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
+    return call_reward(fn, **columns, prompts=prompts, completions=completions,
+                       completion_ids=completion_ids)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1630,8 +1604,7 @@ def build_optimizer(policy, args):
 
 def lr_factor(step, *, warmup_steps, max_steps, schedule):
     # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
-    # (constant) or 0.5 (1 + cos(pi * progress)) (cosine), progress = (step - warmup) /
-    # (max_steps - warmup)
+    # (constant) or 0.5 (1 + cos(pi * (step - warmup) / (max_steps - warmup))) (cosine)
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if schedule == "constant":
@@ -1656,11 +1629,10 @@ def auto_micro_batch(rows, width, args):
 
 def plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eos, sampler,
                    static_cache):
-    """policy.generate, in eval mode, with no sampling rule of its own (SamplerLogps applies
-    temperature, top-k and top-p; greedy when sampler is None) and none of the checkpoint's
-    generation_config: only the library's defaults fill unset fields. static_cache: a fixed-size
-    KV cache, whose decode step transformers compiles on CUDA (the compiled step reads the
-    parameters as inputs, so it sees every update). Returns the new tokens [rows, T]."""
+    """The new tokens [rows, T] of policy.generate in eval mode, with no sampling rule of its own
+    (SamplerLogps applies them; greedy when sampler is None) and none of the checkpoint's
+    generation_config. static_cache: a fixed-size KV cache whose decode step transformers compiles
+    on CUDA (reading the parameters as inputs, so it sees every update)."""
     from transformers import GenerationConfig, LogitsProcessorList
     # generate's own temperature/top-k/top-p off (top_k 0, not the library's default 50); greedy
     # sets none (transformers warns of sampling flags when greedy)
@@ -1689,9 +1661,8 @@ def plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eo
 
 
 def eos_token_ids(model, tokenizer):
-    """Every id that ends a completion: the tokenizer's EOS and those the checkpoint's generation
-    config declares (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama-3-Instruct: three
-    ids)."""
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's (Qwen2.5-
+    Instruct: <|im_end|> and <|endoftext|>; Llama-3-Instruct: three ids)."""
     declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     declared = declared if isinstance(declared, (list, tuple)) else [declared]
     return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
@@ -1706,8 +1677,7 @@ def decode_completions(tokenizer, completion_ids, mask):
 # Processes and precision: torchrun, DDP, FSDP2, autocast
 # --------------------------------------------------------------------------------------------------
 def setup_distributed(args):
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; plain `python` is one process. Returns rank, world,
-    device."""
+    """(rank, world, device): torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; `python` is one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         return 0, 1, torch.device(auto if args.device == "auto" else args.device)
@@ -1720,8 +1690,7 @@ def setup_distributed(args):
 
 
 def unwrap(model):
-    # DDP wraps the policy; FSDP2's fully_shard changes the policy in place, so there is nothing to
-    # unwrap
+    # DDP wraps the policy; FSDP2's fully_shard changes it in place (nothing to unwrap)
     return model.module if isinstance(model, DDP) else model
 
 
@@ -1744,8 +1713,7 @@ class gathered:
     def __exit__(self, *exc):
         for m in self.modules:
             m.reshard()
-            # the root never reshards
-            m.set_reshard_after_forward(m is not self.modules[0], recurse=False)
+            m.set_reshard_after_forward(m is not self.modules[0], recurse=False)  # root: never
 
 
 def autocast(args, device):
@@ -1768,10 +1736,8 @@ def use_static_cache(args, device):
 
 def wrap_ddp(model, device):
     """The graph forward goes through this wrapper (its hooks all-reduce gradients); generate() does
-    not."""
-    # Qwen3-MoE keeps each layer's experts in one 3-D parameter, so an expert that got no tokens
-    # still gets a (zero) gradient slice; a model with one module per expert needs
-    # find_unused_parameters.
+    not. Qwen3-MoE keeps a layer's experts in one 3-D parameter (an expert without tokens still gets
+    a zero gradient slice); a model with one module per expert needs find_unused_parameters."""
     per_expert_modules = any(isinstance(m, torch.nn.ModuleList) and name.endswith("experts")
                              for name, m in model.named_modules())
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -1780,10 +1746,9 @@ def wrap_ddp(model, device):
 
 def shard_fsdp(model, args, world):
     """FSDP2: each decoder layer, then the root (embeddings, final norm, lm_head), becomes a unit
-    whose parameters, gradients and AdamW state live 1/world on each rank. A unit's forward
-    all-gathers its full parameters and frees them after; its backward reduce-scatters the
-    gradients. Mixed precision is FSDP's own: fp32 sharded master weights, parameters gathered in
-    --dtype, gradients reduced in fp32."""
+    whose parameters, gradients and AdamW state live 1/world on each rank: its forward all-gathers
+    the parameters (in --dtype; fp32 sharded masters), its backward reduce-scatters the gradients
+    (in fp32)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     device_type = next(model.parameters()).device.type
@@ -1827,8 +1792,7 @@ def update_is_finite(run, state, loss, grad_norm):
 
 def lower_loss_scale(scaler):
     """fp16, on a skipped update: every rank halves its scale alike (its own check may have seen no
-    inf), never below MIN_LOSS_SCALE, and restarts GradScaler's count of good steps toward
-    doubling it. Inert without loss scaling."""
+    inf), down to MIN_LOSS_SCALE, and restarts GradScaler's count of good steps toward doubling."""
     if scaler.is_enabled():
         scaler.update(max(scaler.get_scale() * scaler.get_backoff_factor(), MIN_LOSS_SCALE))
         scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
@@ -1858,21 +1822,17 @@ def barrier():
         dist.barrier()
 
 
-def world_sum(*values, device="cpu"):
-    """Sum float values over all ranks (identity in a single process)."""
+def world_sum(*values, device="cpu", op="SUM"):
+    """Each value summed (op="MAX": its largest) over all ranks, in one all-reduce (identity in a
+    single process)."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return t.tolist()
 
 
 def world_max(*values, device="cpu"):
-    """The largest of each rank's value, value by value, in one all-reduce (identity in a single
-    process)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return world_sum(*values, device=device, op="MAX")
 
 
 def world_std(values, device="cpu"):
@@ -2156,13 +2116,12 @@ def describe_task(args, train_rows, eval_rows):
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=256):
-    """Mean over the held-out rows, all ranks together, of score(texts, rows, completion_ids): one
-    number per greedy completion of an eval batch."""
+    """Mean over the held-out rows, all ranks together, of score(texts, rows, completion_ids), one
+    number per greedy completion. Every rank runs as many rollouts as the busiest (under FSDP each
+    gathers the weights, a collective): a rank out of rows generates for a stand-in and scores it
+    not."""
     mine = eval_rows[rank::world]
     correct = 0.0
-    # a world decision: every rank runs as many rollouts as the busiest one (under FSDP each rollout
-    # gathers the weights, a collective); a rank out of rows generates for a stand-in prompt and
-    # scores nothing
     n_batches = int(world_max(math.ceil(len(mine) / batch), device=device)[0])
     for b in range(n_batches):
         rows = mine[b * batch:(b + 1) * batch]
@@ -2184,8 +2143,7 @@ def reset_peak_memory(device):
 
 
 def peak_memory_gib(device):
-    """CUDA: the most allocated since this step began. CPU: the process's peak resident memory so
-    far."""
+    """CUDA: the most allocated since this step began. CPU: the process's peak resident memory."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
@@ -2205,8 +2163,7 @@ def show_progress(bar, record, args, state, cut_before, eval_key, world):
 
 
 def log_metrics(metrics_path, record, rank, report=None):
-    """Rank 0 appends the record to metrics.jsonl, and hands it to --report_to's logger if there is
-    one."""
+    """Rank 0 appends the record to metrics.jsonl and hands it to --report_to's logger, if any."""
     if rank == 0:
         with open(metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -2215,11 +2172,9 @@ def log_metrics(metrics_path, record, rank, report=None):
 
 
 def open_report(args, rank, resumed_at=None):
-    """--report_to: (send(record), close()) for wandb or TensorBoard on rank 0, else (None, None).
-    Imported only when asked: neither package is a requirement of the trainer. A resumed run
-    continues the same run: TensorBoard purges the points logged after the checkpoint; wandb reopens
-    the run by the id kept in save_dir (it keeps the points it already holds: wandb refuses to log a
-    step twice)."""
+    """--report_to: (send(record), close()) for wandb or TensorBoard on rank 0, else (None, None);
+    neither is a requirement. A resumed run continues the same run: TensorBoard purges the points
+    after the checkpoint; wandb reopens the run by the id kept in save_dir (keeping its points)."""
     if args.report_to == "none" or rank != 0:
         return None, None
     name = args.run_name or os.path.basename(os.path.normpath(args.save_dir))
@@ -2249,8 +2204,7 @@ def open_report(args, rank, resumed_at=None):
 
 def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank):
     """Rank 0: the final model as a plain transformers directory, and one summary line."""
-    # FSDP: every rank gathers
-    weights = full_state_dict(policy) if state.step == args.max_steps else None
+    weights = full_state_dict(policy) if state.step == args.max_steps else None  # FSDP: all ranks
     if rank != 0:
         return
     where = find_checkpoint(args.save_dir)

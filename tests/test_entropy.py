@@ -18,7 +18,7 @@ def naive_entropy(logits):
 @pytest.mark.parametrize("shape", [(37, 50), (3, 13, 50)])
 def test_entropy_matches_full_softmax_fp32(shape):
     logits = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 5
-    got = tg.entropy_from_logits(logits, chunk_size=8)
+    got = tg.entropy_from_logits(logits)
     assert got.shape == shape[:-1]
     torch.testing.assert_close(got.double(), naive_entropy(logits), rtol=0, atol=1e-5)
 
@@ -26,7 +26,7 @@ def test_entropy_matches_full_softmax_fp32(shape):
 def test_entropy_bf16_within_rounding_bound():
     logits = torch.randn(4, 9, 300, generator=torch.Generator().manual_seed(1)) * 4
     low = logits.bfloat16()
-    got = tg.entropy_from_logits(low, chunk_size=5).double()
+    got = tg.entropy_from_logits(low).double()
     # exact on the bf16 values themselves (the chunk is computed in fp32) ...
     torch.testing.assert_close(got, naive_entropy(low.float()), rtol=0, atol=1e-5)
     # ... and against fp32 logits, within the rounding: dH/dz_v = -p_v (z_v - E_p z), so
@@ -55,9 +55,9 @@ def chunk_inputs():
 
 def test_logged_entropy_saves_nothing_for_backward():
     lm_head, hidden, targets = chunk_inputs()
-    without, _ = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, False, 4, with_entropy=False))
-    logged, (lp, ent) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, False, 4))
-    in_graph, (_, ent_g) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, True, 4))
+    without, _ = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, False, with_entropy=False))
+    logged, (lp, ent) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, False))
+    in_graph, (_, ent_g) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, True))
     assert logged == without and not ent.requires_grad
     assert in_graph > without and ent_g.requires_grad  # the deliberately non-detached version keeps softmax & co
 
@@ -106,7 +106,7 @@ def test_chunked_path_equals_full_logits_path(use_moe, alpha):
     mask = mask.float()
     adv = torch.randn(comp.shape[0], generator=torch.Generator().manual_seed(3))
     logps, ent, aux = tg.completion_logps(model, input_ids, attn, comp.shape[1], chunk_size=2,
-                                          entropy_grad=alpha != 0, entropy_chunk_size=3)
+                                          entropy_grad=alpha != 0)
     loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
                            entropy=ent, entropy_coef=alpha)
     if use_moe:
@@ -180,9 +180,9 @@ def test_entropy_is_computed_only_where_it_is_logged(tmp_path, monkeypatch):
     tokens = {"entropy": 0, "logps": 0}
     real_entropy, real_logps = tg.entropy_from_logits, tg.selective_log_softmax
 
-    def entropy(z, chunk_size=128):
+    def entropy(z):
         tokens["entropy"] += z.numel() // z.shape[-1]
-        return real_entropy(z, chunk_size)
+        return real_entropy(z)
 
     def logps(z, index):  # the no-grad passes only (an update's chunks are recomputed in backward)
         tokens["logps"] += 0 if torch.is_grad_enabled() else index.numel()

@@ -47,8 +47,8 @@ def one_step(**flags):
     optimizer.register_step_pre_hook(lambda *_: applied.append(
         torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item()))
     state = tg.TrainState(entropy_coef=args.entropy_coef, next_alpha=args.entropy_coef)
-    calls = {"rollout": [], "lm_logits": [], "entropy_chunk": [], "generate": []}
-    real_rollout, real_head, real_entropy = tg.rollout, tg.lm_logits, tg.entropy_from_logits
+    calls = {"rollout": [], "lm_logits": [], "generate": []}
+    real_rollout, real_head = tg.rollout, tg.lm_logits
     real_generate = model.generate
 
     def rollout(*a, **k):
@@ -61,8 +61,6 @@ def one_step(**flags):
         return real_generate(**k)
     tg.rollout = rollout
     tg.lm_logits = lambda m, h: calls["lm_logits"].append(h.shape[0]) or real_head(m, h)
-    tg.entropy_from_logits = lambda z, chunk_size=128: calls["entropy_chunk"].append(chunk_size) or real_entropy(
-        z, chunk_size)
     model.generate = generate
     torch.manual_seed(1)
     try:
@@ -70,7 +68,7 @@ def one_step(**flags):
         run.ref_model, run.scaler = ref, tg.loss_scaler(args.dtype, "cpu")  # the trainer's own rule
         record = tg.grpo_step(args, run, train_rows[:args.batch_size], state)
     finally:
-        tg.rollout, tg.lm_logits, tg.entropy_from_logits = real_rollout, real_head, real_entropy
+        tg.rollout, tg.lm_logits = real_rollout, real_head
     record["lr_next"] = scheduler.get_last_lr()[0]             # the step moved the schedule
     delta = {k: (v - before[k]) for k, v in model.state_dict().items()}
     return Run(record=record, delta=delta, tokens=calls["rollout"][0], state=state, calls=calls, args=args,
@@ -173,8 +171,6 @@ FLAGS = {
                                        and f.record["clip_ratio"] != d.record["clip_ratio"],
                                        num_iterations=2)],
     # entropy
-    "entropy_chunk_size": [step(5, lambda d, f: set(f.calls["entropy_chunk"]) == {5}
-                                and set(d.calls["entropy_chunk"]) == {128})],
     "logp_chunk_size": [step(7, lambda d, f: max(f.calls["lm_logits"]) == 7 and max(d.calls["lm_logits"]) > 7)],
     "entropy_coef": [step(0.5, lambda d, f: f.record["loss"] != d.record["loss"] and update_differs(d, f))],
     "use_adaptive_entropy": [step(1, lambda d, f: f.state.entropy_coef != d.state.entropy_coef,
