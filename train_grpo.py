@@ -1145,13 +1145,9 @@ def build_parser(defaults=True):
 def parse_args(argv=None):
     parser = build_parser()
     values = vars(parser.parse_args(argv))
-    # only the flags on the command line
-    given = vars(build_parser(defaults=False).parse_args(argv))
-    # a task's own sizes, unless given
-    for name, value in TASK_DEFAULTS.get(values["dataset"], {}).items():
-        if name not in given:
-            values[name] = value
-    args = Args(**values)
+    given = vars(build_parser(defaults=False).parse_args(argv))  # only the flags typed
+    # a task's own sizes replace Args' defaults, never a flag given
+    args = Args(**{**values, **TASK_DEFAULTS.get(values["dataset"], {}), **given})
     for problem in check_args(args):
         parser.error(problem)
     if args.epsilon_high == -1.0:
@@ -1162,23 +1158,19 @@ def parse_args(argv=None):
 def check_args(args):
     """Every flag against what it means, before any work: one message per problem, naming it."""
     a = args
-    positive = ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
-                "entropy_chunk_size", "learning_rate", "sft_learning_rate", "micro_batch_tokens",
-                "temperature")
-    non_negative = ("micro_batch_size", "logp_chunk_size", "top_k", "beta", "weight_decay",
-                    "warmup_steps", "grad_clip", "sft_warmup_steps", "save_interval",
-                    "eval_interval", "eval_size", "stop_after", "entropy_coef_delta",
-                    "entropy_coef_min", "entropy_target")
+    positive = ("batch_size max_steps max_gen_len max_prompt_len num_iterations entropy_chunk_size "
+                "learning_rate sft_learning_rate micro_batch_tokens temperature").split()
+    non_negative = ("micro_batch_size logp_chunk_size top_k beta weight_decay warmup_steps "
+                    "grad_clip sft_warmup_steps save_interval eval_interval eval_size stop_after "
+                    "entropy_coef_delta entropy_coef_min entropy_target").split()
     rows = a.batch_size * a.num_generations
     rules = [  # (the condition that must hold, the message when it does not)
-        (a.num_generations >= 2,
-         f"--num_generations must be >= 2 (a group of one has no baseline), got "
-         f"{a.num_generations}"),
+        (a.num_generations >= 2, "--num_generations must be >= 2 (a group of one has no "
+         f"baseline), got {a.num_generations}"),
         *[(getattr(a, n) > 0, f"--{n} must be > 0, got {getattr(a, n)}") for n in positive],
         *[(getattr(a, n) >= 0, f"--{n} must be >= 0, got {getattr(a, n)}") for n in non_negative],
-        (not a.micro_batch_size or rows % a.micro_batch_size == 0,
-         f"--micro_batch_size {a.micro_batch_size} must divide batch_size * num_generations = "
-         f"{rows}"),
+        (not a.micro_batch_size or rows % a.micro_batch_size == 0, f"--micro_batch_size "
+         f"{a.micro_batch_size} must divide batch_size * num_generations = {rows}"),
         (a.eval_size > 0 or a.eval_interval == 0,
          f"--eval_interval {a.eval_interval} evaluates held-out prompts, but --eval_size 0 holds "
          "none out (set --eval_interval 0, or --eval_size > 0)"),
@@ -1196,9 +1188,8 @@ def check_args(args):
         (not (a.cast_lm_head_to_fp32 and a.fsdp),
          "--cast_lm_head_to_fp32 1 with --fsdp 1: FSDP gathers the lm_head in --dtype, so it "
          "would not be an fp32 head; use DDP (--fsdp 0)"),
-        (a.entropy_coef_min <= a.entropy_coef_max,
-         f"--entropy_coef_min {a.entropy_coef_min} must be <= --entropy_coef_max "
-         f"{a.entropy_coef_max}"),
+        (a.entropy_coef_min <= a.entropy_coef_max, f"--entropy_coef_min {a.entropy_coef_min} "
+         f"must be <= --entropy_coef_max {a.entropy_coef_max}"),
         *[(math.isfinite(getattr(a, f.name)),
            f"--{f.name} must be a finite number, got {getattr(a, f.name)}")
           for f in dataclasses.fields(a) if f.type is float],
@@ -1236,30 +1227,27 @@ def check_args(args):
 
 def check_paths(a):
     """A local model dir must hold a config and weights; a local dataset must be a file."""
-    path = os.path.expanduser(a.model_name_or_path)
-    looks_local = a.model_name_or_path.startswith((".", "/", "~")) or os.path.exists(path)
+    name, path = a.model_name_or_path, os.path.expanduser(a.model_name_or_path)
+    flag, data = f"--model_name_or_path {name}", os.path.expanduser(a.dataset)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
-            yield f"--model_name_or_path {a.model_name_or_path}: no such file"
+            yield f"{flag}: no such file"
         for package in ("gguf", "accelerate"):  # transformers reads GGUF through both
             if importlib.util.find_spec(package) is None:
-                yield (f"--model_name_or_path {a.model_name_or_path}: reading a GGUF file needs "
-                       f"the {package} package (pip install gguf accelerate)")
-    elif a.model_name_or_path and looks_local:
+                yield (f"{flag}: reading a GGUF file needs the {package} package (pip install "
+                       "gguf accelerate)")
+    elif name and (name.startswith((".", "/", "~")) or os.path.exists(path)):
+        weights = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
         if not os.path.isdir(path):
-            yield f"--model_name_or_path {a.model_name_or_path}: no such directory"
+            yield f"{flag}: no such directory"
         elif not os.path.isfile(os.path.join(path, "config.json")):
-            yield f"--model_name_or_path {a.model_name_or_path}: no config.json in this directory"
-        elif not [f for f in os.listdir(path) if f.endswith(
-                (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))]:
-            yield (f"--model_name_or_path {a.model_name_or_path}: no model weights "
-                   "(*.safetensors, *.bin) here")
-    data = os.path.expanduser(a.dataset)
-    if a.dataset and os.path.isdir(data):
-        yield (f"--dataset {a.dataset} is a directory; give a .jsonl/.json/.parquet file or a hub "
-               "name")
-    elif a.dataset and a.dataset.endswith((".jsonl", ".json",
-                                           ".parquet")) and not os.path.isfile(data):
+            yield f"{flag}: no config.json in this directory"
+        elif not [f for f in os.listdir(path) if f.endswith(weights)]:
+            yield f"{flag}: no model weights (*.safetensors, *.bin) here"
+    if os.path.isdir(data):
+        yield (f"--dataset {a.dataset} is a directory; give a .jsonl/.json/.parquet file or a "
+               "hub name")
+    elif a.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(data):
         yield f"--dataset {a.dataset}: no such file"
 
 
