@@ -1258,7 +1258,6 @@ def check_paths(a):
 # (the share of characters in the right place), it has a held-out split of strings never trained on,
 # and a 2-layer model can solve it, so a few minutes on a CPU show whether the algorithm learns.
 REVERSE_ALPHABET = "abcdefgh"
-
 REVERSE_LEN = 5
 
 
@@ -1273,8 +1272,7 @@ def make_reverse_task(eval_size, seed=1234):
 
 
 def reverse_reward(completion, answer):
-    # r = (characters in the right place) / max(len(completion), len(answer)); 1.0 only for an exact
-    # match
+    # characters in the right place / the longer length: 1.0 only for an exact match
     hits = sum(a == b for a, b in zip(completion, answer))
     return hits / max(len(completion), len(answer), 1)
 
@@ -1288,30 +1286,24 @@ _NUMBER = r"-?[$]?\s*-?(?:\d{1,3}(?:(?:\{,\}| )\d{3})+(?!\d)|\d[\d,]*)(?:\.\d+)?
 
 
 def parse_number(text):
-    """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact: no float rounding, no
-    eval."""
+    """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact: no float, no eval."""
     if text is None:
         return None
-    t = text.strip().replace("{,}", "").replace(",", "").replace("$", "").replace(" ", "")
-    t = t.rstrip(".")
-    neg = t.startswith("-")
-    t = t.lstrip("-")
-    if not re.fullmatch(r"\d+(?:\.\d+)?", t):
+    t = re.sub(r"\{,\}|[,$ ]", "", text.strip()).rstrip(".")  # no separators, no '$'
+    digits = t.lstrip("-")
+    if not re.fullmatch(r"\d+(?:\.\d+)?", digits):
         return None
-    value = Fraction(t)
-    return -value if neg else value
+    return -Fraction(digits) if t.startswith("-") else Fraction(digits)
 
 
 def extract_final_answer(completion):
-    """The completion's answer: a tagged '#### N' (or \\boxed{N}, 'answer is N') wins; else the last
-    number."""
+    """The last tagged '#### N' (or \\boxed{N}, 'answer is N') wins; else the last number."""
     for pattern in (r"####\s*(" + _NUMBER + ")", r"\\boxed\{\s*(" + _NUMBER + r")\s*\}",
-                    r"answer is[:\s]*(" + _NUMBER + ")"):
+                    r"answer is[:\s]*(" + _NUMBER + ")", _NUMBER):
         found = re.findall(pattern, completion, flags=re.IGNORECASE)
         if found:
             return parse_number(found[-1])
-    numbers = re.findall(_NUMBER, completion)
-    return parse_number(numbers[-1]) if numbers else None
+    return None
 
 
 def gsm8k_reference(answer):
@@ -1332,16 +1324,15 @@ def gsm8k_format_reward(completion, answer):
 
 # compare_numbers: the built-in task for a real instruct model ("--dataset compare_numbers"). A chat
 # prompt asks which of two 2-digit numbers is larger and for the number alone. SmolLM2-135M-Instruct
-# answers the question in prose or gets it wrong (greedy: 1% of the held-out questions answered
-# as asked), yet one of 8 samples is right for ~65% of the prompts: the groups carry signal, and
-# GRPO turns it into a short, right answer. The held-out split holds pairs never trained on.
+# answers in prose or gets it wrong (greedy: 1% of the held-out questions answered as asked), yet
+# one of 8 samples is right for ~65% of the prompts: the groups carry signal, and GRPO turns it into
+# a short, right answer. The held-out split holds pairs never trained on.
 COMPARE_NUMBERS = "compare_numbers"
 
 
 def make_compare_task(eval_size, seed=1234):
-    """Held out: the first eval_size ordered pairs of a seeded shuffle; trained: every other ordered
-    pair whose numbers are not held out in either order ("37 or 52" held out, "52 or 37" is never
-    trained on)."""
+    """Held out: the first eval_size ordered pairs of a seeded shuffle, in neither order trained on
+    ("37 or 52" held out: "52 or 37" is not trained on either)."""
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
     rng.shuffle(pairs)
@@ -1354,8 +1345,7 @@ def make_compare_task(eval_size, seed=1234):
 
 
 def compare_correct_reward(completion, answer):
-    # 1.0 if the first number in the completion is the larger one ("43 is larger than 15": 43), else
-    # 0.0
+    # 1.0 if the first number in the completion is the larger one ("43 is larger than 15": 43)
     first = re.search(r"-?\d+", completion)
     return float(first is not None and int(first.group()) == int(answer))
 
@@ -1366,8 +1356,7 @@ def compare_format_reward(completion):
 
 
 def task_rewards(args):
-    """The reward functions of the task and their default weights: the built-in reversal;
-    compare_numbers' answer + format; GSM8K's answer + format."""
+    """The task's reward functions, its correctness first, and their default weights."""
     if not args.dataset:
         return [reverse_reward], [1.0]
     if args.dataset == COMPARE_NUMBERS:
@@ -1386,9 +1375,9 @@ def load_reward_funcs(spec):
             if not name.endswith("_reward") or not callable(fn):
                 raise TrainerError(f"--reward_funcs {item}: no reward function {name!r} in "
                                    "train_grpo.py; write file.py:name for your own")
+        elif not os.path.isfile(path):
+            raise TrainerError(f"--reward_funcs {item}: no such file {path}")
         else:
-            if not os.path.isfile(path):
-                raise TrainerError(f"--reward_funcs {item}: no such file {path}")
             try:
                 spec_ = importlib.util.spec_from_file_location(f"reward_{len(fns)}", path)
                 module = importlib.util.module_from_spec(spec_)
@@ -1413,32 +1402,26 @@ DATASET_PROMPT = "_dataset_prompt"
 
 
 def load_rows(args):
-    """Local .jsonl/.json/.parquet or a hub dataset through `datasets.load_dataset`: (train, eval)
-    rows."""
+    """(train, eval) rows: compare_numbers', a local .jsonl/.json/.parquet's or a hub dataset's."""
     import datasets
-    name = args.dataset
+    name, path = args.dataset, os.path.expanduser(args.dataset)
     if name == COMPARE_NUMBERS:
         return make_compare_task(args.eval_size)
     local = name.endswith((".jsonl", ".json", ".parquet")) or name.startswith((".", "/", "~"))
-    if local:
-        path = os.path.expanduser(name)
-        if not os.path.isfile(path):
-            raise TrainerError(f"--dataset {name}: no such file")
-        if os.path.getsize(path) == 0:
-            raise TrainerError(f"--dataset {name}: the dataset is empty")
-        builder = "parquet" if path.endswith(".parquet") else "json"
-        try:
-            splits = datasets.load_dataset(builder, data_files=path)
-        except Exception as e:  # a malformed file: say which, in one line
-            raise TrainerError(f"--dataset {name}: could not be read ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0]})")
+    if local and not os.path.isfile(path):
+        raise TrainerError(f"--dataset {name}: no such file")
+    if local and os.path.getsize(path) == 0:
+        raise TrainerError(f"--dataset {name}: the dataset is empty")
+    if local:  # a file, through the builder of its format
+        source, config = ("parquet" if path.endswith(".parquet") else "json"), None
     else:
-        hub_name, config = ("openai/gsm8k", "main") if name == "gsm8k" else (name, None)
-        try:
-            splits = datasets.load_dataset(hub_name, config)
-        except Exception as e:
-            raise TrainerError(f"--dataset {name}: could not load {hub_name} ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''})")
+        source, config = ("openai/gsm8k", "main") if name == "gsm8k" else (name, None)
+    try:
+        splits = datasets.load_dataset(source, config, data_files=path if local else None)
+    except Exception as e:  # a malformed file, a name the hub does not know: say which, in one line
+        what = "could not be read" if local else f"could not load {source}"
+        raise TrainerError(f"--dataset {name}: {what} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})")
     train = splits["train"] if "train" in splits else splits[list(splits)[0]]
     columns = train.column_names
     uses_question = args.question_field in columns or "prompt" not in columns
@@ -1453,43 +1436,40 @@ def load_rows(args):
     rows = [dict(r) for r in train]
     if "train" in splits and "test" in splits:
         return rows, [dict(r) for r in splits["test"]][:args.eval_size]
-    # one split only (a file, or a test-only set): hold out its first rows, at most a tenth, and
-    # never train on them
+    # one split only (a file, a test-only set): its first rows, at most a tenth, are held out
     n_eval = min(args.eval_size, len(rows) // 10) if len(rows) >= 10 else 0
     return rows[n_eval:], rows[:n_eval]
 
 
 def render_prompt(tokenizer, row, args):
-    """A dataset row -> the prompt text: a question goes out with GSM8K's system prompt
-    (format_prompt); a 'prompt' field is used as is when it is text, through the chat template when
-    it is chat messages."""
+    """A dataset row -> the prompt text. A question goes through the chat template with GSM8K's
+    system prompt (plain text without a template); a 'prompt' field is used as is when it is text,
+    through the chat template when it is chat messages."""
+    template = getattr(tokenizer, "chat_template", None)
     if args.question_field in row:
-        return format_prompt(tokenizer, row[args.question_field])
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        return prompt
-    if not getattr(tokenizer, "chat_template", None):
+        question = row[args.question_field]
+        if not template:
+            return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
+        prompt = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT},
+                  {"role": "user", "content": question}]
+    elif isinstance(row["prompt"], str):
+        return row["prompt"]
+    elif not template:
         raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no "
                            "chat template")
+    else:
+        prompt = row["prompt"]
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
-def format_prompt(tokenizer, question):
-    """Through the chat template when the tokenizer has one (system prompt + question), plain text
-    otherwise."""
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT},
-                    {"role": "user", "content": question}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
-
-
-def given_prompt(row, dataset_row, args):
-    """Keep the dataset's own prompt (chat messages stay messages) beside the rendered one, for
-    TRL's batched rewards; a --question_field row has none: they get the rendered text."""
-    if args.question_field not in dataset_row and "prompt" in dataset_row:
-        row[DATASET_PROMPT] = dataset_row["prompt"]
-    return row
+def given_prompt(tokenizer, row, args):
+    """A dataset row as the rewards see it: every column as the dataset has it (an int stays an
+    int), 'prompt' the text the model is given, and the dataset's own prompt kept for TRL's
+    batched rewards (a --question_field row has none: they get the rendered text)."""
+    given = {**row, "prompt": render_prompt(tokenizer, row, args)}
+    if args.question_field not in row:
+        given[DATASET_PROMPT] = row["prompt"]
+    return given
 
 
 def answer_from(fn, field):
@@ -1501,22 +1481,16 @@ def answer_from(fn, field):
 
 
 def load_task(args, tokenizer, world):
-    """Train rows, eval rows (dicts: 'prompt', the rendered text, plus every column of the dataset),
-    reward functions, their weights, and the held-out score: its name and score(texts, rows,
-    completion_ids) -> a number per completion."""
+    """Train and eval rows (dicts, as given_prompt makes them), the reward functions, their weights,
+    and the held-out score: its name and score(texts, rows, completion_ids) -> a number each."""
     if not args.dataset:
         train_rows, eval_rows = make_reverse_task(args.eval_size)
-        is_correct = reverse_reward
     else:
-        # every column reaches the rewards as the dataset has it (an int stays an int); 'prompt'
-        # becomes the text the model is given (a chat prompt rendered through the template), and
-        # the dataset's own prompt is kept for TRL's batched rewards
-        train_rows, eval_rows = ([given_prompt({**r, "prompt": render_prompt(tokenizer, r, args)},
-                                               r, args) for r in rows] for rows in load_rows(args))
-        is_correct = (compare_correct_reward if args.dataset == COMPARE_NUMBERS
-                      else gsm8k_correct_reward)
-    answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
+        train_rows, eval_rows = ([given_prompt(tokenizer, r, args) for r in rows]
+                                 for rows in load_rows(args))
     reward_fns, weights = task_rewards(args)
+    is_correct = reward_fns[0]
+    answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
     # the task's own rewards take `answer`: hand them --answer_field's column
     if answer_key != "answer":
         reward_fns = [answer_from(fn, answer_key) for fn in reward_fns]
@@ -1528,15 +1502,14 @@ def load_task(args, tokenizer, world):
     if len(train_rows) < args.batch_size * world:
         raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than "
                            f"batch_size * ranks = {args.batch_size * world}")
-    # your rewards: the held-out score is their weighted sum on greedy completions
-    if args.reward_funcs:
-        def score(texts, rows, ids):  # a batched function sees an eval batch (groups of one)
+
+    def score(texts, rows, ids):
+        if args.reward_funcs:  # their weighted sum; a batched function sees groups of one
             return compute_rewards(reward_fns, weights, texts, rows, ids).tolist()
-        return train_rows, eval_rows, reward_fns, weights, ("eval_reward", score)
-    # held out: the share of completions whose correctness reward is 1.0
-    score = lambda texts, rows, ids: [float(is_correct(t, r[answer_key]) == 1.0)
-                                      for t, r in zip(texts, rows)]
-    return train_rows, eval_rows, reward_fns, weights, ("eval_accuracy", score)
+        # the share of completions whose correctness reward is 1.0
+        return [float(is_correct(t, r[answer_key]) == 1.0) for t, r in zip(texts, rows)]
+    key = "eval_reward" if args.reward_funcs else "eval_accuracy"
+    return train_rows, eval_rows, reward_fns, weights, (key, score)
 
 
 # --------------------------------------------------------------------------------------------------
