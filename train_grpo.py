@@ -1911,14 +1911,12 @@ def world_std(values, device="cpu"):
 
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints and resume (step 14): HF-format weights + trainer state, written to a temp dir,
-# renamed
+# Checkpoints and resume (step 14): HF-format weights + trainer state, a temp dir renamed when whole
 # --------------------------------------------------------------------------------------------------
 def rng_state():
-    np_state = np.random.get_state()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
-                       float(np_state[4])]}
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -1980,10 +1978,9 @@ def find_checkpoint(save_dir):
 
 
 def load_weights(model, ckpt, trust_remote_code=False):
-    """Load checkpoint weights, refusing one saved from a model of another shape. Read through
-    from_pretrained: transformers saves some weights in another layout than it holds them (MoE
-    experts, one tensor each on disk, one fused tensor per layer in memory) and only its loader
-    converts them back."""
+    """Checkpoint weights into model, refused when saved from a model of another shape. Read through
+    from_pretrained: only its loader converts back a layout saved unlike the one held (MoE experts:
+    one tensor each on disk, one fused tensor per layer in memory)."""
     from transformers import AutoModelForCausalLM
     if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
         raise TrainerError(f"checkpoint {ckpt} has no model.safetensors")
@@ -2012,42 +2009,23 @@ def load_weights(model, ckpt, trust_remote_code=False):
 
 def save(args, run, scheduler, state, rank):
     # DDP: every rank holds the same AdamW state, rank 0 saves it; FSDP: each rank saves its own
-    # shard
-    shard = local_optimizer_state(run.optimizer) if is_fsdp(run.model) else None
+    # shard, its DTensors as plain local tensors (what weights_only=True loads)
+    optimizer, shard = run.optimizer.state_dict(), None
+    if is_fsdp(run.model):
+        shard = {**optimizer, "state": {i: {k: v.to_local() if hasattr(v, "to_local") else v
+                                            for k, v in st.items()}
+                                        for i, st in optimizer["state"].items()}}
     trainer_state = {**dataclasses.asdict(state), "scheduler": scheduler.state_dict(),
                      # fp16's loss scale and its run of good steps
                      "scaler": run.scaler.state_dict(),
-                     "optimizer": None if shard is not None else run.optimizer.state_dict()}
+                     "optimizer": None if shard is not None else optimizer}
     save_checkpoint(args.save_dir, state.step, run.model, run.tokenizer, trainer_state, rank,
                     optimizer_shard=shard)
 
 
-def local_optimizer_state(optimizer):
-    """This rank's AdamW state with its DTensors as plain local shards (what weights_only=True
-    loads)."""
-    sd = optimizer.state_dict()
-    sd["state"] = {i: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in st.items()}
-                   for i, st in sd["state"].items()}
-    return sd
-
-
-def load_local_optimizer_state(optimizer, sd):
-    """The inverse: each local shard becomes a DTensor laid out like its parameter again."""
-    from torch.distributed.tensor import DTensor
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for i, st in sd["state"].items():
-        p = params[int(i)]
-        for k, v in st.items():
-            if isinstance(p, DTensor) and v.dim() > 0:
-                st[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
-                                           stride=p.stride())
-    optimizer.load_state_dict(sd)
-
-
 def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
-    """A fresh start (empty log, per-rank sampling seeds, the eval before any update), or a resume
-    from --resume's checkpoint. Returns the loop state, the metrics file and --report_to's (send,
-    close)."""
+    """A fresh start (empty log, per-rank sampling seeds, the eval before any update) or a resume
+    from --resume's checkpoint: the loop state, the metrics file and --report_to's (send, close)."""
     if rank == 0:
         os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
@@ -2063,8 +2041,8 @@ def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
     if rank == 0:
         open(metrics_path, "w").close()
     if args.eval_interval > 0:
-        policy = unwrap(run.model)
-        acc = evaluate(policy, run.tokenizer, eval_rows, score, args, rank, run.world, run.device)
+        acc = evaluate(unwrap(run.model), run.tokenizer, eval_rows, score, args, rank, run.world,
+                       run.device)
         log_metrics(metrics_path, {"step": 0, eval_key: acc}, rank, report[0])
         if rank == 0:
             print(f"{eval_key} before GRPO: {acc:.3f}")
@@ -2076,34 +2054,38 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
     log to the checkpoint."""
     policy, optimizer = unwrap(run.model), run.optimizer
     load_weights(policy, ckpt, trust_remote_code=bool(args.trust_remote_code))
-    saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu",
-                       weights_only=True)
+
+    def load(name, problem=None):  # weights_only: a checkpoint holds data, never code to run
+        if problem and not os.path.isfile(os.path.join(ckpt, name)):
+            raise TrainerError(f"checkpoint {ckpt} {problem}")
+        return torch.load(os.path.join(ckpt, name), map_location="cpu", weights_only=True)
+    saved = load("trainer_state.pt")
     optimizer_state = saved.pop("optimizer")
-    if is_fsdp(policy):
-        shard = os.path.join(ckpt, f"optimizer_{rank}.pt")
-        if not os.path.isfile(shard):
-            raise TrainerError(f"checkpoint {ckpt} has no {os.path.basename(shard)} (it was "
-                               "written without --fsdp 1, or by fewer ranks)")
-        shard_state = torch.load(shard, map_location="cpu", weights_only=True)
-        load_local_optimizer_state(optimizer, shard_state)
+    if is_fsdp(policy):  # each rank's shard: its local tensors become DTensors like their params
+        from torch.distributed.tensor import DTensor
+        shard = f"optimizer_{rank}.pt"
+        optimizer_state = load(shard, f"has no {shard} (it was written without --fsdp 1, or by "
+                                      "fewer ranks)")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for i, st in optimizer_state["state"].items():
+            p = params[int(i)]
+            for k, v in st.items():
+                if isinstance(p, DTensor) and v.dim() > 0:
+                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                               stride=p.stride())
     elif optimizer_state is None:
         raise TrainerError(f"checkpoint {ckpt} was written under --fsdp 1; resume it with --fsdp 1")
-    else:
-        optimizer.load_state_dict(optimizer_state)
+    optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(saved.pop("scheduler"))
     scaler_state = saved.pop("scaler", {})
     if run.scaler.is_enabled() and scaler_state:
         run.scaler.load_state_dict(scaler_state)
     state = TrainState(**saved)
-    rng_file = os.path.join(ckpt, f"rng_state_{rank}.pt")
-    if not os.path.isfile(rng_file):
-        raise TrainerError(f"checkpoint {ckpt} was written by fewer ranks (no "
-                           f"{os.path.basename(rng_file)})")
-    set_rng_state(torch.load(rng_file, weights_only=True))
+    set_rng_state(load(f"rng_state_{rank}.pt",
+                       f"was written by fewer ranks (no rng_state_{rank}.pt)"))
     if rank == 0:  # keep the log of the steps this checkpoint contains, drop any logged after it
-        kept = []
-        if os.path.exists(metrics_path):
-            kept = [ln for ln in open(metrics_path) if json.loads(ln).get("step", 0) <= state.step]
+        kept = ([ln for ln in open(metrics_path) if json.loads(ln).get("step", 0) <= state.step]
+                if os.path.exists(metrics_path) else [])
         with open(metrics_path, "w") as f:
             f.writelines(kept)
         print(f"resumed from {ckpt} at step {state.step}")
