@@ -1107,14 +1107,6 @@ def one_line(e):
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
-class DefaultsHelp(argparse.HelpFormatter):
-    """--help shows each flag's default as Python writes it ('' for an empty string)."""
-    def _get_help_string(self, action):
-        if action.default in (None, argparse.SUPPRESS) or not action.option_strings:
-            return action.help
-        return f"{action.help} (default: {action.default!r})"
-
-
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message}", file=sys.stderr)
@@ -1126,7 +1118,6 @@ def build_parser(defaults=True):
     tasks = "; ".join(f"--dataset {k}: " + ", ".join(f"--{n} {v}" for n, v in d.items())
                       for k, d in TASK_DEFAULTS.items())
     parser = OneLineParser(description="GRPO trainer: one file, every formula tested (README.md)",
-                           formatter_class=DefaultsHelp,
                            epilog=f"a task's own defaults (a flag given wins): {tasks}")
     fields, group = {f.name: f for f in dataclasses.fields(Args)}, parser
     for line in inspect.getsource(Args).splitlines():
@@ -1135,9 +1126,10 @@ def build_parser(defaults=True):
             group = parser.add_argument_group(comment.group(1))
         elif name:
             f = fields.pop(name.group(1))
+            shown = f" (default: {f.default!r})" if defaults else ""  # as Python writes it: ''
             group.add_argument(f"--{f.name}", type=type(f.default),
                                default=f.default if defaults else argparse.SUPPRESS,
-                               choices=f.metadata.get("choices"), help=f.metadata["help"])
+                               choices=f.metadata.get("choices"), help=f.metadata["help"] + shown)
     assert not fields, f"Args fields not declared as `name: type = opt(...)`: {sorted(fields)}"
     return parser
 
@@ -1155,9 +1147,8 @@ def parse_args(argv=None):
     return args
 
 
-def check_args(args):
+def check_args(a):
     """Every flag against what it means, before any work: one message per problem, naming it."""
-    a = args
     positive = ("batch_size max_steps max_gen_len max_prompt_len num_iterations entropy_chunk_size "
                 "learning_rate sft_learning_rate micro_batch_tokens temperature").split()
     non_negative = ("micro_batch_size logp_chunk_size top_k beta weight_decay warmup_steps "
