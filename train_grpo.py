@@ -1264,8 +1264,7 @@ def make_reverse_task(eval_size, seed=1234):
 
 def reverse_reward(completion, answer):
     # characters in the right place / the longer length: 1.0 only for an exact match
-    hits = sum(a == b for a, b in zip(completion, answer))
-    return hits / max(len(completion), len(answer), 1)
+    return sum(a == b for a, b in zip(completion, answer)) / max(len(completion), len(answer), 1)
 
 
 # GSM8K: the reference is the number after "####". The model is asked to end with the same form.
@@ -1278,9 +1277,7 @@ _NUMBER = r"-?[$]?\s*-?(?:\d{1,3}(?:(?:\{,\}| )\d{3})+(?!\d)|\d[\d,]*)(?:\.\d+)?
 
 def parse_number(text):
     """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact: no float, no eval."""
-    if text is None:
-        return None
-    t = re.sub(r"\{,\}|[,$ ]", "", text.strip()).rstrip(".")  # no separators, no '$'
+    t = re.sub(r"\{,\}|[,$ ]", "", (text or "").strip()).rstrip(".")  # no separators, no '$'
     digits = t.lstrip("-")
     if not re.fullmatch(r"\d+(?:\.\d+)?", digits):
         return None
