@@ -1113,8 +1113,9 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser(defaults=True):
-    """One flag per Args field, in the groups Args' comments name; --help shows each default."""
+def build_parser():
+    """One flag per Args field, in the groups Args' comments name; --help shows each default. A flag
+    not typed is absent from the parse: Args' defaults, or a task's own, fill it in."""
     tasks = "; ".join(f"--dataset {k}: " + ", ".join(f"--{n} {v}" for n, v in d.items())
                       for k, d in TASK_DEFAULTS.items())
     parser = OneLineParser(description="GRPO trainer: one file, every formula tested (README.md)",
@@ -1126,20 +1127,17 @@ def build_parser(defaults=True):
             group = parser.add_argument_group(comment.group(1))
         elif name:
             f = fields.pop(name.group(1))
-            shown = f" (default: {f.default!r})" if defaults else ""  # as Python writes it: ''
-            group.add_argument(f"--{f.name}", type=type(f.default),
-                               default=f.default if defaults else argparse.SUPPRESS,
-                               choices=f.metadata.get("choices"), help=f.metadata["help"] + shown)
+            group.add_argument(f"--{f.name}", type=type(f.default), default=argparse.SUPPRESS,
+                               choices=f.metadata.get("choices"),
+                               help=f"{f.metadata['help']} (default: {f.default!r})")
     assert not fields, f"Args fields not declared as `name: type = opt(...)`: {sorted(fields)}"
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
-    values = vars(parser.parse_args(argv))
-    given = vars(build_parser(defaults=False).parse_args(argv))  # only the flags typed
-    # a task's own sizes replace Args' defaults, never a flag given
-    args = Args(**{**values, **TASK_DEFAULTS.get(values["dataset"], {}), **given})
+    given = vars(parser.parse_args(argv))  # only the flags typed: they win over a task's sizes
+    args = Args(**{**TASK_DEFAULTS.get(given.get("dataset", Args.dataset), {}), **given})
     for problem in check_args(args):
         parser.error(problem)
     if args.epsilon_high == -1.0:
