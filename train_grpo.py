@@ -1308,11 +1308,10 @@ def gsm8k_format_reward(completion, answer):
     return float(re.search(r"####\s*" + _NUMBER + r"\s*$", completion.strip()) is not None)
 
 
-# compare_numbers: the built-in task for a real instruct model ("--dataset compare_numbers"). A chat
-# prompt asks which of two 2-digit numbers is larger and for the number alone. SmolLM2-135M-Instruct
-# answers in prose or gets it wrong (greedy: 1% of the held-out questions answered as asked), yet
-# one of 8 samples is right for ~65% of the prompts: the groups carry signal, and GRPO turns it into
-# a short, right answer. The held-out split holds pairs never trained on.
+# compare_numbers, the built-in task for a real instruct model: which of two 2-digit numbers is
+# larger, the number alone. SmolLM2-135M-Instruct answers in prose or wrongly (greedy: 1% of the
+# held-out questions answered as asked), yet one of 8 samples is right for ~65% of the prompts: the
+# groups carry signal, and GRPO turns it into a short, right answer.
 COMPARE_NUMBERS = "compare_numbers"
 
 
@@ -1406,8 +1405,7 @@ def load_rows(args):
         splits = datasets.load_dataset(source, config, data_files=path if local else None)
     except Exception as e:  # a malformed file, a name the hub does not know: say which, in one line
         what = "could not be read" if local else f"could not load {source}"
-        raise TrainerError(f"--dataset {name}: {what} ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''})")
+        raise TrainerError(f"--dataset {name}: {what} ({one_line(e)})")
     train = splits["train"] if "train" in splits else splits[list(splits)[0]]
     columns = train.column_names
     uses_question = args.question_field in columns or "prompt" not in columns
@@ -1428,9 +1426,8 @@ def load_rows(args):
 
 
 def render_prompt(tokenizer, row, args):
-    """A dataset row -> the prompt text. A question goes through the chat template with GSM8K's
-    system prompt (plain text without a template); a 'prompt' field is used as is when it is text,
-    through the chat template when it is chat messages."""
+    """A dataset row -> the prompt text: a question with GSM8K's system prompt, chat messages
+    through the chat template (a question as plain text without one), a text 'prompt' as is."""
     template = getattr(tokenizer, "chat_template", None)
     if args.question_field in row:
         question = row[args.question_field]
@@ -1449,9 +1446,8 @@ def render_prompt(tokenizer, row, args):
 
 
 def given_prompt(tokenizer, row, args):
-    """A dataset row as the rewards see it: every column as the dataset has it (an int stays an
-    int), 'prompt' the text the model is given, and the dataset's own prompt kept for TRL's
-    batched rewards (a --question_field row has none: they get the rendered text)."""
+    """A row as the rewards see it: every column as the dataset has it (an int stays an int), its
+    'prompt' the text the model is given, the dataset's own kept for TRL's batched rewards."""
     given = {**row, "prompt": render_prompt(tokenizer, row, args)}
     if args.question_field not in row:
         given[DATASET_PROMPT] = row["prompt"]
