@@ -1932,16 +1932,14 @@ def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank, optim
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
     barrier()
     if rank == 0:
-        if os.path.isdir(final):
-            shutil.rmtree(final)
+        shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # a crash before this line leaves the previous checkpoint as it was
     barrier()
     return final
 
 
 def save_pretrained(model, tokenizer, weights, where):
-    """A plain transformers folder (safetensors), without transformers' "Writing model shards" bar
-    inside the training bar."""
+    """A plain transformers folder (safetensors), without its "Writing model shards" bar."""
     from transformers.utils import logging as hf_logging
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -1990,16 +1988,15 @@ def load_weights(model, ckpt, trust_remote_code=False):
 
 
 def save(args, run, scheduler, state, rank):
-    # DDP: every rank holds the same AdamW state, rank 0 saves it; FSDP: each rank saves its own
-    # shard, its DTensors as plain local tensors (what weights_only=True loads)
+    # DDP: every rank holds the same AdamW state, rank 0 saves it; FSDP: each rank saves its shard,
+    # its DTensors as plain local tensors (what weights_only=True loads)
     optimizer, shard = run.optimizer.state_dict(), None
     if is_fsdp(run.model):
         shard = {**optimizer, "state": {i: {k: v.to_local() if hasattr(v, "to_local") else v
                                             for k, v in st.items()}
                                         for i, st in optimizer["state"].items()}}
     trainer_state = {**dataclasses.asdict(state), "scheduler": scheduler.state_dict(),
-                     # fp16's loss scale and its run of good steps
-                     "scaler": run.scaler.state_dict(),
+                     "scaler": run.scaler.state_dict(),  # fp16's loss scale, its good steps' run
                      "optimizer": None if shard is not None else optimizer}
     save_checkpoint(args.save_dir, state.step, run.model, run.tokenizer, trainer_state, rank,
                     optimizer_shard=shard)
@@ -2043,7 +2040,7 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
         return torch.load(os.path.join(ckpt, name), map_location="cpu", weights_only=True)
     saved = load("trainer_state.pt")
     optimizer_state = saved.pop("optimizer")
-    if is_fsdp(policy):  # each rank's shard: its local tensors become DTensors like their params
+    if is_fsdp(policy):  # this rank's shard, its plain tensors DTensors like their parameters again
         from torch.distributed.tensor import DTensor
         shard = f"optimizer_{rank}.pt"
         optimizer_state = load(shard, f"has no {shard} (it was written without --fsdp 1, or by "
