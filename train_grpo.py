@@ -1109,8 +1109,7 @@ def one_line(e):
 
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        self.exit(2, f"error: {message}\n")
 
 
 def build_parser():
@@ -1179,9 +1178,8 @@ def check_args(a):
          "would not be an fp32 head; use DDP (--fsdp 0)"),
         (a.entropy_coef_min <= a.entropy_coef_max, f"--entropy_coef_min {a.entropy_coef_min} "
          f"must be <= --entropy_coef_max {a.entropy_coef_max}"),
-        *[(math.isfinite(getattr(a, f.name)),
-           f"--{f.name} must be a finite number, got {getattr(a, f.name)}")
-          for f in dataclasses.fields(a) if f.type is float],
+        *[(math.isfinite(getattr(a, f.name)), f"--{f.name} must be a finite number, got "
+           f"{getattr(a, f.name)}") for f in dataclasses.fields(a) if f.type is float],
         (a.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA GPU is visible"),
         (a.dataset or not a.model_name_or_path,
          "--model_name_or_path needs --dataset (the built-in task uses its own tiny tokenizer)"),
