@@ -1990,9 +1990,8 @@ def save(args, run, scheduler, state, rank):
     # its DTensors as plain local tensors (what weights_only=True loads)
     optimizer, shard = run.optimizer.state_dict(), None
     if is_fsdp(run.model):
-        shard = {**optimizer, "state": {i: {k: v.to_local() if hasattr(v, "to_local") else v
-                                            for k, v in st.items()}
-                                        for i, st in optimizer["state"].items()}}
+        plain = lambda st: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in st.items()}
+        shard = {**optimizer, "state": {i: plain(st) for i, st in optimizer["state"].items()}}
     trainer_state = {**dataclasses.asdict(state), "scheduler": scheduler.state_dict(),
                      "scaler": run.scaler.state_dict(),  # fp16's loss scale, its good steps' run
                      "optimizer": None if shard is not None else optimizer}
