@@ -1433,13 +1433,13 @@ def render_prompt(tokenizer, row, args):
             return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
         prompt = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT},
                   {"role": "user", "content": question}]
-    elif isinstance(row["prompt"], str):
-        return row["prompt"]
-    elif not template:
-        raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no "
-                           "chat template")
     else:
         prompt = row["prompt"]
+        if isinstance(prompt, str):
+            return prompt
+        if not template:
+            raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no "
+                               "chat template")
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
