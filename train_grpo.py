@@ -852,26 +852,17 @@ def one_line(e):
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
-class DefaultsHelp(argparse.HelpFormatter):
-    """--help shows each flag's default as Python writes it ('' for an empty string)."""
-    def _get_help_string(self, action):
-        if action.default in (None, argparse.SUPPRESS) or not action.option_strings:
-            return action.help
-        return f"{action.help} (default: {action.default!r})"
-
-
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        self.exit(2, f"error: {message}\n")
 
 
-def build_parser(defaults=True):
-    """One flag per Args field, in the groups Args' comments name; --help shows each default."""
+def build_parser():
+    """One flag per Args field, in the groups Args' comments name; --help shows each default. A flag
+    not typed is absent from the parse: Args' defaults, or a task's own, fill it in."""
     tasks = "; ".join(f"--dataset {k}: " + ", ".join(f"--{n} {v}" for n, v in d.items())
                       for k, d in TASK_DEFAULTS.items())
     parser = OneLineParser(description="GRPO trainer: one file, every formula tested (README.md)",
-                           formatter_class=DefaultsHelp,
                            epilog=f"a task's own defaults (a flag given wins): {tasks}")
     fields, group = {f.name: f for f in dataclasses.fields(Args)}, parser
     for line in inspect.getsource(Args).splitlines():
@@ -880,23 +871,17 @@ def build_parser(defaults=True):
             group = parser.add_argument_group(comment.group(1))
         elif name:
             f = fields.pop(name.group(1))
-            group.add_argument(f"--{f.name}", type=type(f.default),
-                               default=f.default if defaults else argparse.SUPPRESS,
-                               choices=f.metadata.get("choices"), help=f.metadata["help"])
+            group.add_argument(f"--{f.name}", type=type(f.default), default=argparse.SUPPRESS,
+                               choices=f.metadata.get("choices"),
+                               help=f"{f.metadata['help']} (default: {f.default!r})")
     assert not fields, f"Args fields not declared as `name: type = opt(...)`: {sorted(fields)}"
     return parser
 
 
 def parse_args(argv=None):
     parser = build_parser()
-    values = vars(parser.parse_args(argv))
-    # only the flags on the command line
-    given = vars(build_parser(defaults=False).parse_args(argv))
-    # a task's own sizes, unless given
-    for name, value in TASK_DEFAULTS.get(values["dataset"], {}).items():
-        if name not in given:
-            values[name] = value
-    args = Args(**values)
+    given = vars(parser.parse_args(argv))  # only the flags typed: they win over a task's sizes
+    args = Args(**{**TASK_DEFAULTS.get(given.get("dataset", Args.dataset), {}), **given})
     for problem in check_args(args):
         parser.error(problem)
     if args.epsilon_high == -1.0:
@@ -904,26 +889,21 @@ def parse_args(argv=None):
     return args
 
 
-def check_args(args):
+def check_args(a):
     """Every flag against what it means, before any work: one message per problem, naming it."""
-    a = args
-    positive = ("batch_size", "max_steps", "max_gen_len", "max_prompt_len", "num_iterations",
-                "learning_rate", "sft_learning_rate", "micro_batch_tokens",
-                "temperature")
-    non_negative = ("micro_batch_size", "logp_chunk_size", "top_k", "beta", "weight_decay",
-                    "warmup_steps", "grad_clip", "sft_warmup_steps", "save_interval",
-                    "eval_interval", "eval_size", "stop_after", "entropy_coef_delta",
-                    "entropy_coef_min", "entropy_target")
+    positive = ("batch_size max_steps max_gen_len max_prompt_len num_iterations learning_rate "
+                "sft_learning_rate micro_batch_tokens temperature").split()
+    non_negative = ("micro_batch_size logp_chunk_size top_k beta weight_decay warmup_steps "
+                    "grad_clip sft_warmup_steps save_interval eval_interval eval_size stop_after "
+                    "entropy_coef_delta entropy_coef_min entropy_target").split()
     rows = a.batch_size * a.num_generations
     rules = [  # (the condition that must hold, the message when it does not)
-        (a.num_generations >= 2,
-         f"--num_generations must be >= 2 (a group of one has no baseline), got "
-         f"{a.num_generations}"),
+        (a.num_generations >= 2, "--num_generations must be >= 2 (a group of one has no "
+         f"baseline), got {a.num_generations}"),
         *[(getattr(a, n) > 0, f"--{n} must be > 0, got {getattr(a, n)}") for n in positive],
         *[(getattr(a, n) >= 0, f"--{n} must be >= 0, got {getattr(a, n)}") for n in non_negative],
-        (not a.micro_batch_size or rows % a.micro_batch_size == 0,
-         f"--micro_batch_size {a.micro_batch_size} must divide batch_size * num_generations = "
-         f"{rows}"),
+        (not a.micro_batch_size or rows % a.micro_batch_size == 0, f"--micro_batch_size "
+         f"{a.micro_batch_size} must divide batch_size * num_generations = {rows}"),
         (a.eval_size > 0 or a.eval_interval == 0,
          f"--eval_interval {a.eval_interval} evaluates held-out prompts, but --eval_size 0 holds "
          "none out (set --eval_interval 0, or --eval_size > 0)"),
@@ -941,12 +921,10 @@ def check_args(args):
         (not (a.cast_lm_head_to_fp32 and a.fsdp),
          "--cast_lm_head_to_fp32 1 with --fsdp 1: FSDP gathers the lm_head in --dtype, so it "
          "would not be an fp32 head; use DDP (--fsdp 0)"),
-        (a.entropy_coef_min <= a.entropy_coef_max,
-         f"--entropy_coef_min {a.entropy_coef_min} must be <= --entropy_coef_max "
-         f"{a.entropy_coef_max}"),
-        *[(math.isfinite(getattr(a, f.name)),
-           f"--{f.name} must be a finite number, got {getattr(a, f.name)}")
-          for f in dataclasses.fields(a) if f.type is float],
+        (a.entropy_coef_min <= a.entropy_coef_max, f"--entropy_coef_min {a.entropy_coef_min} "
+         f"must be <= --entropy_coef_max {a.entropy_coef_max}"),
+        *[(math.isfinite(getattr(a, f.name)), f"--{f.name} must be a finite number, got "
+           f"{getattr(a, f.name)}") for f in dataclasses.fields(a) if f.type is float],
         (a.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA GPU is visible"),
         (a.dataset or not a.model_name_or_path,
          "--model_name_or_path needs --dataset (the built-in task uses its own tiny tokenizer)"),
@@ -981,30 +959,27 @@ def check_args(args):
 
 def check_paths(a):
     """A local model dir must hold a config and weights; a local dataset must be a file."""
-    path = os.path.expanduser(a.model_name_or_path)
-    looks_local = a.model_name_or_path.startswith((".", "/", "~")) or os.path.exists(path)
+    name, path = a.model_name_or_path, os.path.expanduser(a.model_name_or_path)
+    flag, data = f"--model_name_or_path {name}", os.path.expanduser(a.dataset)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
-            yield f"--model_name_or_path {a.model_name_or_path}: no such file"
+            yield f"{flag}: no such file"
         for package in ("gguf", "accelerate"):  # transformers reads GGUF through both
             if importlib.util.find_spec(package) is None:
-                yield (f"--model_name_or_path {a.model_name_or_path}: reading a GGUF file needs "
-                       f"the {package} package (pip install gguf accelerate)")
-    elif a.model_name_or_path and looks_local:
+                yield (f"{flag}: reading a GGUF file needs the {package} package (pip install "
+                       "gguf accelerate)")
+    elif name and (name.startswith((".", "/", "~")) or os.path.exists(path)):
+        weights = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
         if not os.path.isdir(path):
-            yield f"--model_name_or_path {a.model_name_or_path}: no such directory"
+            yield f"{flag}: no such directory"
         elif not os.path.isfile(os.path.join(path, "config.json")):
-            yield f"--model_name_or_path {a.model_name_or_path}: no config.json in this directory"
-        elif not [f for f in os.listdir(path) if f.endswith(
-                (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))]:
-            yield (f"--model_name_or_path {a.model_name_or_path}: no model weights "
-                   "(*.safetensors, *.bin) here")
-    data = os.path.expanduser(a.dataset)
-    if a.dataset and os.path.isdir(data):
-        yield (f"--dataset {a.dataset} is a directory; give a .jsonl/.json/.parquet file or a hub "
-               "name")
-    elif a.dataset and a.dataset.endswith((".jsonl", ".json",
-                                           ".parquet")) and not os.path.isfile(data):
+            yield f"{flag}: no config.json in this directory"
+        elif not [f for f in os.listdir(path) if f.endswith(weights)]:
+            yield f"{flag}: no model weights (*.safetensors, *.bin) here"
+    if os.path.isdir(data):
+        yield (f"--dataset {a.dataset} is a directory; give a .jsonl/.json/.parquet file or a "
+               "hub name")
+    elif a.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(data):
         yield f"--dataset {a.dataset}: no such file"
 
 
@@ -1015,7 +990,6 @@ def check_paths(a):
 # (the share of characters in the right place), it has a held-out split of strings never trained on,
 # and a 2-layer model can solve it, so a few minutes on a CPU show whether the algorithm learns.
 REVERSE_ALPHABET = "abcdefgh"
-
 REVERSE_LEN = 5
 
 
@@ -1030,10 +1004,8 @@ def make_reverse_task(eval_size, seed=1234):
 
 
 def reverse_reward(completion, answer):
-    # r = (characters in the right place) / max(len(completion), len(answer)); 1.0 only for an exact
-    # match
-    hits = sum(a == b for a, b in zip(completion, answer))
-    return hits / max(len(completion), len(answer), 1)
+    # characters in the right place / the longer length: 1.0 only for an exact match
+    return sum(a == b for a, b in zip(completion, answer)) / max(len(completion), len(answer), 1)
 
 
 # GSM8K: the reference is the number after "####". The model is asked to end with the same form.
@@ -1045,30 +1017,22 @@ _NUMBER = r"-?[$]?\s*-?(?:\d{1,3}(?:(?:\{,\}| )\d{3})+(?!\d)|\d[\d,]*)(?:\.\d+)?
 
 
 def parse_number(text):
-    """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact: no float rounding, no
-    eval."""
-    if text is None:
+    """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact: no float, no eval."""
+    t = re.sub(r"\{,\}|[,$ ]", "", (text or "").strip()).rstrip(".")  # no separators, no '$'
+    digits = t.lstrip("-")
+    if not re.fullmatch(r"\d+(?:\.\d+)?", digits):
         return None
-    t = text.strip().replace("{,}", "").replace(",", "").replace("$", "").replace(" ", "")
-    t = t.rstrip(".")
-    neg = t.startswith("-")
-    t = t.lstrip("-")
-    if not re.fullmatch(r"\d+(?:\.\d+)?", t):
-        return None
-    value = Fraction(t)
-    return -value if neg else value
+    return -Fraction(digits) if t.startswith("-") else Fraction(digits)
 
 
 def extract_final_answer(completion):
-    """The completion's answer: a tagged '#### N' (or \\boxed{N}, 'answer is N') wins; else the last
-    number."""
+    """The last tagged '#### N' (or \\boxed{N}, 'answer is N') wins; else the last number."""
     for pattern in (r"####\s*(" + _NUMBER + ")", r"\\boxed\{\s*(" + _NUMBER + r")\s*\}",
-                    r"answer is[:\s]*(" + _NUMBER + ")"):
+                    r"answer is[:\s]*(" + _NUMBER + ")", _NUMBER):
         found = re.findall(pattern, completion, flags=re.IGNORECASE)
         if found:
             return parse_number(found[-1])
-    numbers = re.findall(_NUMBER, completion)
-    return parse_number(numbers[-1]) if numbers else None
+    return None
 
 
 def gsm8k_reference(answer):
@@ -1087,18 +1051,16 @@ def gsm8k_format_reward(completion, answer):
     return float(re.search(r"####\s*" + _NUMBER + r"\s*$", completion.strip()) is not None)
 
 
-# compare_numbers: the built-in task for a real instruct model ("--dataset compare_numbers"). A chat
-# prompt asks which of two 2-digit numbers is larger and for the number alone. SmolLM2-135M-Instruct
-# answers the question in prose or gets it wrong (greedy: 1% of the held-out questions answered
-# as asked), yet one of 8 samples is right for ~65% of the prompts: the groups carry signal, and
-# GRPO turns it into a short, right answer. The held-out split holds pairs never trained on.
+# compare_numbers, the built-in task for a real instruct model: which of two 2-digit numbers is
+# larger, the number alone. SmolLM2-135M-Instruct answers in prose or wrongly (greedy: 1% of the
+# held-out questions answered as asked), yet one of 8 samples is right for ~65% of the prompts: the
+# groups carry signal, and GRPO turns it into a short, right answer.
 COMPARE_NUMBERS = "compare_numbers"
 
 
 def make_compare_task(eval_size, seed=1234):
-    """Held out: the first eval_size ordered pairs of a seeded shuffle; trained: every other ordered
-    pair whose numbers are not held out in either order ("37 or 52" held out, "52 or 37" is never
-    trained on)."""
+    """Held out: the first eval_size ordered pairs of a seeded shuffle, in neither order trained on
+    ("37 or 52" held out: "52 or 37" is not trained on either)."""
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
     rng.shuffle(pairs)
@@ -1111,8 +1073,7 @@ def make_compare_task(eval_size, seed=1234):
 
 
 def compare_correct_reward(completion, answer):
-    # 1.0 if the first number in the completion is the larger one ("43 is larger than 15": 43), else
-    # 0.0
+    # 1.0 if the first number in the completion is the larger one ("43 is larger than 15": 43)
     first = re.search(r"-?\d+", completion)
     return float(first is not None and int(first.group()) == int(answer))
 
@@ -1123,8 +1084,7 @@ def compare_format_reward(completion):
 
 
 def task_rewards(args):
-    """The reward functions of the task and their default weights: the built-in reversal;
-    compare_numbers' answer + format; GSM8K's answer + format."""
+    """The task's reward functions, its correctness first, and their default weights."""
     if not args.dataset:
         return [reverse_reward], [1.0]
     if args.dataset == COMPARE_NUMBERS:
@@ -1143,9 +1103,9 @@ def load_reward_funcs(spec):
             if not name.endswith("_reward") or not callable(fn):
                 raise TrainerError(f"--reward_funcs {item}: no reward function {name!r} in "
                                    "train_grpo.py; write file.py:name for your own")
+        elif not os.path.isfile(path):
+            raise TrainerError(f"--reward_funcs {item}: no such file {path}")
         else:
-            if not os.path.isfile(path):
-                raise TrainerError(f"--reward_funcs {item}: no such file {path}")
             try:
                 spec_ = importlib.util.spec_from_file_location(f"reward_{len(fns)}", path)
                 module = importlib.util.module_from_spec(spec_)
@@ -1170,32 +1130,25 @@ DATASET_PROMPT = "_dataset_prompt"
 
 
 def load_rows(args):
-    """Local .jsonl/.json/.parquet or a hub dataset through `datasets.load_dataset`: (train, eval)
-    rows."""
+    """(train, eval) rows: compare_numbers', a local .jsonl/.json/.parquet's or a hub dataset's."""
     import datasets
-    name = args.dataset
+    name, path = args.dataset, os.path.expanduser(args.dataset)
     if name == COMPARE_NUMBERS:
         return make_compare_task(args.eval_size)
     local = name.endswith((".jsonl", ".json", ".parquet")) or name.startswith((".", "/", "~"))
-    if local:
-        path = os.path.expanduser(name)
-        if not os.path.isfile(path):
-            raise TrainerError(f"--dataset {name}: no such file")
-        if os.path.getsize(path) == 0:
-            raise TrainerError(f"--dataset {name}: the dataset is empty")
-        builder = "parquet" if path.endswith(".parquet") else "json"
-        try:
-            splits = datasets.load_dataset(builder, data_files=path)
-        except Exception as e:  # a malformed file: say which, in one line
-            raise TrainerError(f"--dataset {name}: could not be read ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0]})")
+    if local and not os.path.isfile(path):
+        raise TrainerError(f"--dataset {name}: no such file")
+    if local and os.path.getsize(path) == 0:
+        raise TrainerError(f"--dataset {name}: the dataset is empty")
+    if local:  # a file, through the builder of its format
+        source, config = ("parquet" if path.endswith(".parquet") else "json"), None
     else:
-        hub_name, config = ("openai/gsm8k", "main") if name == "gsm8k" else (name, None)
-        try:
-            splits = datasets.load_dataset(hub_name, config)
-        except Exception as e:
-            raise TrainerError(f"--dataset {name}: could not load {hub_name} ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''})")
+        source, config = ("openai/gsm8k", "main") if name == "gsm8k" else (name, None)
+    try:
+        splits = datasets.load_dataset(source, config, data_files=path if local else None)
+    except Exception as e:  # a malformed file, a name the hub does not know: say which, in one line
+        what = "could not be read" if local else f"could not load {source}"
+        raise TrainerError(f"--dataset {name}: {what} ({one_line(e)})")
     train = splits["train"] if "train" in splits else splits[list(splits)[0]]
     columns = train.column_names
     uses_question = args.question_field in columns or "prompt" not in columns
@@ -1210,43 +1163,38 @@ def load_rows(args):
     rows = [dict(r) for r in train]
     if "train" in splits and "test" in splits:
         return rows, [dict(r) for r in splits["test"]][:args.eval_size]
-    # one split only (a file, or a test-only set): hold out its first rows, at most a tenth, and
-    # never train on them
+    # one split only (a file, a test-only set): its first rows, at most a tenth, are held out
     n_eval = min(args.eval_size, len(rows) // 10) if len(rows) >= 10 else 0
     return rows[n_eval:], rows[:n_eval]
 
 
 def render_prompt(tokenizer, row, args):
-    """A dataset row -> the prompt text: a question goes out with GSM8K's system prompt
-    (format_prompt); a 'prompt' field is used as is when it is text, through the chat template when
-    it is chat messages."""
+    """A dataset row -> the prompt text: a question with GSM8K's system prompt, chat messages
+    through the chat template (a question as plain text without one), a text 'prompt' as is."""
+    template = getattr(tokenizer, "chat_template", None)
     if args.question_field in row:
-        return format_prompt(tokenizer, row[args.question_field])
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        return prompt
-    if not getattr(tokenizer, "chat_template", None):
-        raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no "
-                           "chat template")
+        question = row[args.question_field]
+        if not template:
+            return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
+        prompt = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT},
+                  {"role": "user", "content": question}]
+    else:
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            return prompt
+        if not template:
+            raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no "
+                               "chat template")
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
-def format_prompt(tokenizer, question):
-    """Through the chat template when the tokenizer has one (system prompt + question), plain text
-    otherwise."""
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT},
-                    {"role": "user", "content": question}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
-
-
-def given_prompt(row, dataset_row, args):
-    """Keep the dataset's own prompt (chat messages stay messages) beside the rendered one, for
-    TRL's batched rewards; a --question_field row has none: they get the rendered text."""
-    if args.question_field not in dataset_row and "prompt" in dataset_row:
-        row[DATASET_PROMPT] = dataset_row["prompt"]
-    return row
+def given_prompt(tokenizer, row, args):
+    """A row as the rewards see it: every column as the dataset has it (an int stays an int), its
+    'prompt' the text the model is given, the dataset's own kept for TRL's batched rewards."""
+    given = {**row, "prompt": render_prompt(tokenizer, row, args)}
+    if args.question_field not in row:
+        given[DATASET_PROMPT] = row["prompt"]
+    return given
 
 
 def answer_from(fn, field):
@@ -1258,22 +1206,16 @@ def answer_from(fn, field):
 
 
 def load_task(args, tokenizer, world):
-    """Train rows, eval rows (dicts: 'prompt', the rendered text, plus every column of the dataset),
-    reward functions, their weights, and the held-out score: its name and score(texts, rows,
-    completion_ids) -> a number per completion."""
+    """Train and eval rows (dicts, as given_prompt makes them), the reward functions, their weights,
+    and the held-out score: its name and score(texts, rows, completion_ids) -> a number each."""
     if not args.dataset:
         train_rows, eval_rows = make_reverse_task(args.eval_size)
-        is_correct = reverse_reward
     else:
-        # every column reaches the rewards as the dataset has it (an int stays an int); 'prompt'
-        # becomes the text the model is given (a chat prompt rendered through the template), and
-        # the dataset's own prompt is kept for TRL's batched rewards
-        train_rows, eval_rows = ([given_prompt({**r, "prompt": render_prompt(tokenizer, r, args)},
-                                               r, args) for r in rows] for rows in load_rows(args))
-        is_correct = (compare_correct_reward if args.dataset == COMPARE_NUMBERS
-                      else gsm8k_correct_reward)
-    answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
+        train_rows, eval_rows = ([given_prompt(tokenizer, r, args) for r in rows]
+                                 for rows in load_rows(args))
     reward_fns, weights = task_rewards(args)
+    is_correct = reward_fns[0]
+    answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
     # the task's own rewards take `answer`: hand them --answer_field's column
     if answer_key != "answer":
         reward_fns = [answer_from(fn, answer_key) for fn in reward_fns]
@@ -1285,15 +1227,14 @@ def load_task(args, tokenizer, world):
     if len(train_rows) < args.batch_size * world:
         raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than "
                            f"batch_size * ranks = {args.batch_size * world}")
-    # your rewards: the held-out score is their weighted sum on greedy completions
-    if args.reward_funcs:
-        def score(texts, rows, ids):  # a batched function sees an eval batch (groups of one)
+
+    def score(texts, rows, ids):
+        if args.reward_funcs:  # their weighted sum; a batched function sees groups of one
             return compute_rewards(reward_fns, weights, texts, rows, ids).tolist()
-        return train_rows, eval_rows, reward_fns, weights, ("eval_reward", score)
-    # held out: the share of completions whose correctness reward is 1.0
-    score = lambda texts, rows, ids: [float(is_correct(t, r[answer_key]) == 1.0)
-                                      for t, r in zip(texts, rows)]
-    return train_rows, eval_rows, reward_fns, weights, ("eval_accuracy", score)
+        # the share of completions whose correctness reward is 1.0
+        return [float(is_correct(t, r[answer_key]) == 1.0) for t, r in zip(texts, rows)]
+    key = "eval_reward" if args.reward_funcs else "eval_accuracy"
+    return train_rows, eval_rows, reward_fns, weights, (key, score)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1843,14 +1784,12 @@ def world_std(values, device="cpu"):
 
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints and resume (step 14): HF-format weights + trainer state, written to a temp dir,
-# renamed
+# Checkpoints and resume (step 14): HF-format weights + trainer state, a temp dir renamed when whole
 # --------------------------------------------------------------------------------------------------
 def rng_state():
-    np_state = np.random.get_state()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
-                       float(np_state[4])]}
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -1884,16 +1823,14 @@ def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank, optim
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
     barrier()
     if rank == 0:
-        if os.path.isdir(final):
-            shutil.rmtree(final)
+        shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # a crash before this line leaves the previous checkpoint as it was
     barrier()
     return final
 
 
 def save_pretrained(model, tokenizer, weights, where):
-    """A plain transformers folder (safetensors), without transformers' "Writing model shards" bar
-    inside the training bar."""
+    """A plain transformers folder (safetensors), without its "Writing model shards" bar."""
     from transformers.utils import logging as hf_logging
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -1912,10 +1849,9 @@ def find_checkpoint(save_dir):
 
 
 def load_weights(model, ckpt, trust_remote_code=False):
-    """Load checkpoint weights, refusing one saved from a model of another shape. Read through
-    from_pretrained: transformers saves some weights in another layout than it holds them (MoE
-    experts, one tensor each on disk, one fused tensor per layer in memory) and only its loader
-    converts them back."""
+    """Checkpoint weights into model, refused when saved from a model of another shape. Read through
+    from_pretrained: only its loader converts back a layout saved unlike the one held (MoE experts:
+    one tensor each on disk, one fused tensor per layer in memory)."""
     from transformers import AutoModelForCausalLM
     if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
         raise TrainerError(f"checkpoint {ckpt} has no model.safetensors")
@@ -1943,43 +1879,22 @@ def load_weights(model, ckpt, trust_remote_code=False):
 
 
 def save(args, run, scheduler, state, rank):
-    # DDP: every rank holds the same AdamW state, rank 0 saves it; FSDP: each rank saves its own
-    # shard
-    shard = local_optimizer_state(run.optimizer) if is_fsdp(run.model) else None
+    # DDP: every rank holds the same AdamW state, rank 0 saves it; FSDP: each rank saves its shard,
+    # its DTensors as plain local tensors (what weights_only=True loads)
+    optimizer, shard = run.optimizer.state_dict(), None
+    if is_fsdp(run.model):
+        plain = lambda st: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in st.items()}
+        shard = {**optimizer, "state": {i: plain(st) for i, st in optimizer["state"].items()}}
     trainer_state = {**dataclasses.asdict(state), "scheduler": scheduler.state_dict(),
-                     # fp16's loss scale and its run of good steps
-                     "scaler": run.scaler.state_dict(),
-                     "optimizer": None if shard is not None else run.optimizer.state_dict()}
+                     "scaler": run.scaler.state_dict(),  # fp16's loss scale, its good steps' run
+                     "optimizer": None if shard is not None else optimizer}
     save_checkpoint(args.save_dir, state.step, run.model, run.tokenizer, trainer_state, rank,
                     optimizer_shard=shard)
 
 
-def local_optimizer_state(optimizer):
-    """This rank's AdamW state with its DTensors as plain local shards (what weights_only=True
-    loads)."""
-    sd = optimizer.state_dict()
-    sd["state"] = {i: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in st.items()}
-                   for i, st in sd["state"].items()}
-    return sd
-
-
-def load_local_optimizer_state(optimizer, sd):
-    """The inverse: each local shard becomes a DTensor laid out like its parameter again."""
-    from torch.distributed.tensor import DTensor
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for i, st in sd["state"].items():
-        p = params[int(i)]
-        for k, v in st.items():
-            if isinstance(p, DTensor) and v.dim() > 0:
-                st[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
-                                           stride=p.stride())
-    optimizer.load_state_dict(sd)
-
-
 def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
-    """A fresh start (empty log, per-rank sampling seeds, the eval before any update), or a resume
-    from --resume's checkpoint. Returns the loop state, the metrics file and --report_to's (send,
-    close)."""
+    """A fresh start (empty log, per-rank sampling seeds, the eval before any update) or a resume
+    from --resume's checkpoint: the loop state, the metrics file and --report_to's (send, close)."""
     if rank == 0:
         os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
@@ -1995,8 +1910,8 @@ def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
     if rank == 0:
         open(metrics_path, "w").close()
     if args.eval_interval > 0:
-        policy = unwrap(run.model)
-        acc = evaluate(policy, run.tokenizer, eval_rows, score, args, rank, run.world, run.device)
+        acc = evaluate(unwrap(run.model), run.tokenizer, eval_rows, score, args, rank, run.world,
+                       run.device)
         log_metrics(metrics_path, {"step": 0, eval_key: acc}, rank, report[0])
         if rank == 0:
             print(f"{eval_key} before GRPO: {acc:.3f}")
@@ -2008,34 +1923,38 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
     log to the checkpoint."""
     policy, optimizer = unwrap(run.model), run.optimizer
     load_weights(policy, ckpt, trust_remote_code=bool(args.trust_remote_code))
-    saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu",
-                       weights_only=True)
+
+    def load(name, problem=None):  # weights_only: a checkpoint holds data, never code to run
+        if problem and not os.path.isfile(os.path.join(ckpt, name)):
+            raise TrainerError(f"checkpoint {ckpt} {problem}")
+        return torch.load(os.path.join(ckpt, name), map_location="cpu", weights_only=True)
+    saved = load("trainer_state.pt")
     optimizer_state = saved.pop("optimizer")
-    if is_fsdp(policy):
-        shard = os.path.join(ckpt, f"optimizer_{rank}.pt")
-        if not os.path.isfile(shard):
-            raise TrainerError(f"checkpoint {ckpt} has no {os.path.basename(shard)} (it was "
-                               "written without --fsdp 1, or by fewer ranks)")
-        shard_state = torch.load(shard, map_location="cpu", weights_only=True)
-        load_local_optimizer_state(optimizer, shard_state)
+    if is_fsdp(policy):  # this rank's shard, its plain tensors DTensors like their parameters again
+        from torch.distributed.tensor import DTensor
+        shard = f"optimizer_{rank}.pt"
+        optimizer_state = load(shard, f"has no {shard} (it was written without --fsdp 1, or by "
+                                      "fewer ranks)")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for i, st in optimizer_state["state"].items():
+            p = params[int(i)]
+            for k, v in st.items():
+                if isinstance(p, DTensor) and v.dim() > 0:
+                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                               stride=p.stride())
     elif optimizer_state is None:
         raise TrainerError(f"checkpoint {ckpt} was written under --fsdp 1; resume it with --fsdp 1")
-    else:
-        optimizer.load_state_dict(optimizer_state)
+    optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(saved.pop("scheduler"))
     scaler_state = saved.pop("scaler", {})
     if run.scaler.is_enabled() and scaler_state:
         run.scaler.load_state_dict(scaler_state)
     state = TrainState(**saved)
-    rng_file = os.path.join(ckpt, f"rng_state_{rank}.pt")
-    if not os.path.isfile(rng_file):
-        raise TrainerError(f"checkpoint {ckpt} was written by fewer ranks (no "
-                           f"{os.path.basename(rng_file)})")
-    set_rng_state(torch.load(rng_file, weights_only=True))
+    set_rng_state(load(f"rng_state_{rank}.pt",
+                       f"was written by fewer ranks (no rng_state_{rank}.pt)"))
     if rank == 0:  # keep the log of the steps this checkpoint contains, drop any logged after it
-        kept = []
-        if os.path.exists(metrics_path):
-            kept = [ln for ln in open(metrics_path) if json.loads(ln).get("step", 0) <= state.step]
+        kept = ([ln for ln in open(metrics_path) if json.loads(ln).get("step", 0) <= state.step]
+                if os.path.exists(metrics_path) else [])
         with open(metrics_path, "w") as f:
             f.writelines(kept)
         print(f"resumed from {ckpt} at step {state.step}")
