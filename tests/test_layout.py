@@ -29,6 +29,11 @@ def test_all_of_grpo_is_above_the_plumbing_banner_and_no_plumbing_is():
     assert max(DEFINED[n] for n in ALGORITHM) < min(DEFINED[n] for n in PLUMBING)
 
 
+def test_the_algorithm_reads_in_at_most_850_lines_above_the_banner():
+    """The reader's cost: docstring, Args, the step, the helpers it calls and the loop in <= 850 lines."""
+    assert LINES[BANNER - 2].startswith("# =====") and BANNER - 2 <= 850
+
+
 def test_no_function_is_longer_than_80_lines_but_the_step_150():
     long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(SOURCE))
             if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > (150 if n.name == "grpo_step" else 80)]
