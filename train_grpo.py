@@ -12,7 +12,7 @@ One step (`grpo_step`), in the stages of the README's "The math", each a labelle
      sampled (--sampling_replay 1).
   8. The per-token objective: the clipped ratio (per token, or per sequence: GSPO) or cispo's
      capped-weight REINFORCE, times an optional tis/mis mismatch weight, + beta k3 KL.
-  9. Normalization: grpo, bnpo, dr_grpo, dapo, cispo.
+  9. Normalization: grpo, bnpo, dr_grpo, dapo (cispo: dapo's).
   10-11. Entropy: logged without a graph; an optional bonus whose adaptive coefficient is one
      world number, set after the update for the next step.
   12. MoE: the router's load-balancing loss.
@@ -29,7 +29,7 @@ that leaves the update as it is (README: Work without a gradient).
         --dataset compare_numbers                               # or the .gguf file (README)
 
 Read it top to bottom beside notebook.ipynb: Args, the step, the helpers it calls in its order, the
-loop; then a PLUMBING banner below which nothing is GRPO. Every formula has a test in tests/.
+loop; then a PLUMBING banner below which no GRPO formula lives. Every formula has a test in tests/.
 """
 
 import argparse
@@ -124,7 +124,7 @@ class Args:
     importance_sampling_level: str = opt("token", "the ratio: per token, or per sequence, exp("
                                          "its tokens' mean of logp - old) (GSPO; for grpo, not "
                                          "cispo)", choices=("token", "sequence"))
-    # entropy (README: The math, steps 10-11)
+    # log-probs and entropy (README: The math, steps 7, 10-11)
     logp_chunk_size: int = opt(0, "tokens per lm_head chunk for log-probs (recomputed in "
                                "backward); 0: auto, a chunk's fp32 logits within 64 MiB")
     entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start "
@@ -174,6 +174,10 @@ class Args:
     report_to: str = opt("none", "also log each step's record to wandb or tensorboard (optional "
                          "packages)", choices=("none", "wandb", "tensorboard"))
     run_name: str = opt("", "name of the run in wandb/tensorboard; empty: the save_dir's name")
+
+    def __post_init__(self):  # whoever builds an Args (parse_args, a test, a fork) gets the rule
+        if self.epsilon_high == -1.0:
+            self.epsilon_high = default_epsilon_high(self.loss_type, self.epsilon)
 
 
 # Effective defaults. A task's own sizes replace Args' defaults (a flag given on the command line
@@ -278,11 +282,11 @@ def grpo_step(args, run, rows, state):
         totals = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
                   "entropy_sum": 0.0, "tokens": 0.0, "rows": len(kept)}  # over the micro-batches
         gaps, gap_masks = [sampler_logps[:0]], [mask[:0]]  # old - sampler logp, masks
-        for m in range(S):
-            idx = kept[m * micro:(m + 1) * micro]
+        for j in range(S):
+            idx = kept[j * micro:(j + 1) * micro]
             stand_in = len(idx) == 0  # this rank is out of rows: one row, whose loss is 0 x logp
             idx = kept.new_zeros(1) if stand_in else idx
-            sync_gradients(run.model, m == S - 1)  # DDP/FSDP reduce the gradients on the last only
+            sync_gradients(run.model, j == S - 1)  # DDP/FSDP reduce the gradients on the last only
             # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper (its forward is what syncs
             # the gradients); entropy logged from the first update (the policy that sampled), in
             # the graph only if a bonus uses it
@@ -653,7 +657,7 @@ def entropy_from_logits(logits):
 
 
 # --------------------------------------------------------------------------------------------------
-# Stages 8-9, 12. The objective, its normalization, the mismatch correction
+# Stages 8-9. The objective, the mismatch correction, the normalization
 # --------------------------------------------------------------------------------------------------
 def importance_weights(ratio, kind, cap):
     # the sampler drew o from pi_sampler, the loss scores pi_trainer: per token
@@ -837,7 +841,7 @@ def frozen_copy(policy, dtype):
 
 
 # ==================================================================================================
-# PLUMBING: nothing below is GRPO. Flags, tasks and data, models, DDP/FSDP, checkpoints, reporting.
+# PLUMBING: no GRPO formula below. Flags, tasks and data, models, DDP/FSDP, checkpoints, reporting.
 # ==================================================================================================
 
 
@@ -884,8 +888,6 @@ def parse_args(argv=None):
     args = Args(**{**TASK_DEFAULTS.get(given.get("dataset", Args.dataset), {}), **given})
     for problem in check_args(args):
         parser.error(problem)
-    if args.epsilon_high == -1.0:
-        args.epsilon_high = default_epsilon_high(args.loss_type, args.epsilon)
     return args
 
 
@@ -986,7 +988,7 @@ def check_paths(a):
 # --------------------------------------------------------------------------------------------------
 # Tasks and datasets
 # --------------------------------------------------------------------------------------------------
-# The built-in task: reverse a string of letters, "cabd=" -> "dbac". Its reward is checked by code
+# The built-in task: reverse a string of letters, "cabde=" -> "edbac". Its reward is checked by code
 # (the share of characters in the right place), it has a held-out split of strings never trained on,
 # and a 2-layer model can solve it, so a few minutes on a CPU show whether the algorithm learns.
 REVERSE_ALPHABET = "abcdefgh"
@@ -1253,7 +1255,7 @@ def build_char_tokenizer(chars):
 
 
 def build_tiny_model(vocab_size, use_moe, tokenizer):
-    """A ~0.1M-parameter Qwen3 (dense) or Qwen3-MoE causal LM from a config: no download."""
+    """A 75k-parameter Qwen3 (dense) or Qwen3-MoE causal LM from a config: no download."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
@@ -1474,8 +1476,9 @@ def sample_name(i, completion, row):
     return f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {completion[:60]!r})"
 
 
-def call_reward(fn, *args, **kwargs):
-    # f(*args, **kwargs), the keyword arguments f names (all of them if it takes **kwargs)
+def call_reward(fn, /, *args, **kwargs):
+    # f(*args, **kwargs), the keyword arguments f names (all of them if it takes **kwargs); fn is
+    # positional-only, so a dataset column may be named fn
     params = inspect.signature(fn).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
@@ -1949,6 +1952,8 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
     scaler_state = saved.pop("scaler", {})
     if run.scaler.is_enabled() and scaler_state:
         run.scaler.load_state_dict(scaler_state)
+    if "entropy_coef_applied" in saved:  # a checkpoint written before the field's rename
+        saved["next_alpha"] = saved.pop("entropy_coef_applied")
     state = TrainState(**saved)
     set_rng_state(load(f"rng_state_{rank}.pt",
                        f"was written by fewer ranks (no rng_state_{rank}.pt)"))
@@ -2026,7 +2031,7 @@ def describe_task(args, train_rows, eval_rows):
     print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never trained "
           "on")
     if args.dataset in TASK_DEFAULTS:
-        print(f"--dataset {args.dataset} in effect (its own defaults; a flag given wins): "
+        print(f"--dataset {args.dataset} sizes in effect (the task's defaults unless typed): "
               + ", ".join(f"--{n} {getattr(args, n)}" for n in TASK_DEFAULTS[args.dataset]))
     if not eval_rows and args.eval_interval > 0:
         print("no held-out prompts (an empty test split, or a file of fewer than 10 rows): no "
@@ -2070,8 +2075,9 @@ def peak_memory_gib(device):
 
 
 def show_progress(bar, record, args, state, cut_before, eval_key, world):
-    """The progress bar's line (rank 0); a warning when the run cuts its first prompt."""
-    if cut_before == 0 < state.truncated_prompts and not bar.disable:
+    """The progress bar's line (rank 0); a warning the first time a step cuts a prompt."""
+    if state.truncated_prompts > cut_before and not getattr(bar, "warned_cut", bar.disable):
+        bar.warned_cut = True  # once a run (rank 0)
         print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} are "
               "left-truncated")
     rows_per_step = args.batch_size * args.num_generations * world

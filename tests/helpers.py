@@ -66,7 +66,7 @@ def _entry(rank, world, port, fn, args, done_dir):
     # store (torchrun's agent hosts it for the trainer), and a gloo or store thread still running
     # when its peer's process is gone can abort (SIGABRT) a worker that did everything right.
     open(os.path.join(done_dir, str(rank)), "w").close()
-    deadline = time.time() + 120
+    deadline = time.time() + 600
     while len(os.listdir(done_dir)) < world and time.time() < deadline:
         time.sleep(0.05)
     sys.stdout.flush()
@@ -107,12 +107,12 @@ def step_on_batch(args, run, batch, state=None):
     """One real tg.grpo_step whose rollout is `batch` (prompt + completion ids, attention mask, completion mask,
     the sampler's log-probs, the advantages) instead of a sampled one; old and reference log-probs are the
     step's own. Returns the step's record and the gradients the optimizer's step received (unscaled, clipped
-    as --grad_clip says), one list per update."""
+    as --grad_clip says; None: no gradient), one list per update, in the optimizer's parameter order."""
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     rows = batch["input_ids"].shape[0]
     received = []
     hook = run.optimizer.register_step_pre_hook(lambda opt, *_: received.append(
-        [p.grad.clone() for g in opt.param_groups for p in g["params"] if p.grad is not None]))
+        [None if p.grad is None else p.grad.clone() for g in opt.param_groups for p in g["params"]]))
     stand_ins = dict(
         tokenize_prompts=lambda *a, **k: (batch["input_ids"][:, :P], batch["attention_mask"][:, :P], 0),
         rollout=lambda *a, **k: (batch["input_ids"][:, P:], batch["mask"], torch.zeros(rows, dtype=torch.bool),

@@ -171,3 +171,26 @@ def test_summary_line_and_eval_size_caps_a_test_split(tmp_path, model_dir, capsy
     assert line == [f"done: step 2 of 2 in {line[0].split(' in ')[1].split(' s;')[0]} s; held-out eval_accuracy "
                     f"{evals[0]['eval_accuracy']:.3f} (step 0) -> {evals[-1]['eval_accuracy']:.3f} (step 2); "
                     f"model: {tmp_path / 'final'}"]
+
+
+def test_a_dataset_column_may_be_named_like_the_callers_own_argument():
+    """Columns reach reward functions as the dataset has them, whatever their names (`fn` included)."""
+    def per_sample(completion, fn):
+        return float(fn)
+
+    def batched(completions, fn, **kwargs):
+        return [float(x) for x in fn]
+    rows = [{"prompt": "p", "answer": "a", "fn": 2}]
+    assert tg.compute_rewards([per_sample, batched], [1.0, 1.0], ["c"], rows, [[1]]).tolist() == [4.0]
+
+
+def test_a_checkpoint_written_before_next_alpha_was_named_so_resumes(tmp_path):
+    import torch
+    from helpers import FAST
+    base = FAST + ["--max_steps", "2", "--entropy_coef", "0.01", "--save_dir", str(tmp_path)]
+    tg.main(base + ["--stop_after", "1"])
+    path = os.path.join(tg.find_checkpoint(str(tmp_path)), "trainer_state.pt")
+    saved = torch.load(path, weights_only=True)
+    saved["entropy_coef_applied"] = saved.pop("next_alpha")            # the old field name
+    torch.save(saved, path)
+    assert tg.main(base + ["--resume", "auto"])["next_alpha"] == 0.01

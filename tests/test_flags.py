@@ -127,3 +127,9 @@ def test_help_shows_every_flag_with_its_default_under_its_group():
         assert starts[g] < at < bounds[g], f"--{f.name} is not under '{g}'"
         entry = " ".join(text[at:].split("\n  --")[1].split("\n\n")[0].split())  # this flag's lines
         assert entry.endswith(f"(default: {f.default!r})"), entry
+
+
+def test_an_args_built_in_code_gets_the_epsilon_high_rule_too():
+    """-1 is a sentinel: an Args built without parse_args (a test, a notebook, a fork) must not clip at 1 + (-1)."""
+    assert tg.Args().epsilon_high == 0.2 and tg.Args(epsilon=0.3).epsilon_high == 0.3
+    assert tg.Args(loss_type="cispo").epsilon_high == 5.0 and tg.Args(epsilon_high=0.28).epsilon_high == 0.28

@@ -1,4 +1,4 @@
-"""The file reads in order: Args, then all of GRPO, then a PLUMBING banner below which nothing is GRPO.
+"""The file reads in order: Args, then all of GRPO, then a PLUMBING banner below which no GRPO formula lives.
 Short functions, lines that fit a screen (100 characters)."""
 import ast
 import os
@@ -7,7 +7,7 @@ from helpers import ROOT
 
 SOURCE = open(os.path.join(ROOT, "train_grpo.py")).read()
 LINES = SOURCE.split("\n")
-BANNER = next(i for i, line in enumerate(LINES, 1) if line.startswith("# PLUMBING: nothing below is GRPO"))
+BANNER = next(i for i, line in enumerate(LINES, 1) if line.startswith("# PLUMBING: no GRPO formula below"))
 DEFINED = {n.name: n.lineno for n in ast.parse(SOURCE).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
 ALGORITHM = ["Args", "default_epsilon_high", "tokenize_prompts", "rollout", "completion_mask", "compute_rewards",
