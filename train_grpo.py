@@ -768,7 +768,7 @@ def train(args, rank, world, device):
     """Set up, start or resume, then the loop: prompts, one GRPO step, evaluate, log, save."""
     started = time.time()
     # model (DDP/FSDP-wrapped as `model`), data, the built-in task's supervised warm-up
-    policy, model, tokenizer, task, sampler = set_up(args, rank, world, device)
+    policy, model, tokenizer, task, prompt_order = set_up(args, rank, world, device)
     train_rows, eval_rows, reward_fns, weights, (eval_key, score) = task
     ref_model = None
     if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
@@ -787,7 +787,7 @@ def train(args, rank, world, device):
                disable=rank != 0, desc="grpo")
     for step in bar:
         state.step = step
-        rows = next_prompts(sampler, train_rows, state, args.batch_size)
+        rows = next_prompts(prompt_order, train_rows, state, args.batch_size)
         cut_before = state.truncated_prompts
         record = {"step": step, **grpo_step(args, run, rows, state)}
         stop_if_failing(args, state, step)
@@ -1514,25 +1514,25 @@ def set_up(args, rank, world, device):
         describe_task(args, train_rows, eval_rows)
     if not eval_rows:  # an empty test split, or a file of fewer than 10 rows: nothing to evaluate
         args.eval_interval = 0
-    sampler = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
-                                 shuffle=True, seed=args.seed, drop_last=True)
+    prompt_order = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
+                                      shuffle=True, seed=args.seed, drop_last=True)
     model = policy
     if world > 1:
         model = shard_fsdp(policy, args, world) if args.fsdp else wrap_ddp(policy, device)
     if not args.model_name_or_path and args.sft_warmup_steps > 0:
         # deterministic, so a resumed run redoes it and gets the same reference model
         sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
-    return policy, model, tokenizer, task, sampler
+    return policy, model, tokenizer, task, prompt_order
 
 
-def next_prompts(sampler, train_rows, state, batch_size):
+def next_prompts(prompt_order, train_rows, state, batch_size):
     """Step 1: this rank's B prompts, in the DistributedSampler's order (a new one each epoch)."""
-    sampler.set_epoch(state.sampler_epoch)
-    order = list(sampler)
+    prompt_order.set_epoch(state.sampler_epoch)
+    order = list(prompt_order)
     if state.sampler_pos + batch_size > len(order):
         state.sampler_epoch, state.sampler_pos = state.sampler_epoch + 1, 0
-        sampler.set_epoch(state.sampler_epoch)
-        order = list(sampler)
+        prompt_order.set_epoch(state.sampler_epoch)
+        order = list(prompt_order)
     rows = [train_rows[i] for i in order[state.sampler_pos:state.sampler_pos + batch_size]]
     state.sampler_pos += batch_size
     return rows
