@@ -182,6 +182,9 @@ def test_a_dataset_column_may_be_named_like_the_callers_own_argument():
         return [float(x) for x in fn]
     rows = [{"prompt": "p", "answer": "a", "fn": 2}]
     assert tg.compute_rewards([per_sample, batched], [1.0, 1.0], ["c"], rows, [[1]]).tolist() == [4.0]
+    # ... but a column named like one of TRL's own arguments is an error naming it, as in TRL (never overwritten)
+    with pytest.raises(tg.TrainerError, match="multiple values for keyword argument 'prompts'"):
+        tg.compute_rewards([batched], [1.0], ["c"], [{"prompt": "p", "prompts": "x", "fn": 1}], [[1]])
 
 
 def test_a_checkpoint_written_before_next_alpha_was_named_so_resumes(tmp_path):
