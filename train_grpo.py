@@ -254,7 +254,7 @@ def grpo_step(args, run, rows, state):
 
     # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i), None skipped
     completions = decode_completions(run.tokenizer, completion_ids, mask)
-    ids = [c[m.bool()].tolist() for c, m in zip(completion_ids, mask)]  # TRL's completion_ids
+    ids = completion_token_ids(completion_ids, mask)                    # TRL's completion_ids
     rewards = compute_rewards(run.reward_fns, run.weights, completions, rows, ids)  # [rows]
     # 4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4); batch: all ranks' reward std
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
@@ -267,13 +267,14 @@ def grpo_step(args, run, rows, state):
 
     # the rows to train on: all, or those whose advantage is not 0 (where skipping is exact)
     kept = rows_to_train(args, run, advantages, mask, state.next_alpha)  # [kept]
+    widest, most_kept = world_max(input_ids.shape[1], len(kept), device=device)  # all ranks'
     # 5-6. reference and old log-probs of those rows: plain tensors, no graph (old only when
     # mu > 1; else the loss uses logps.detach())
-    ref_logps, old_logps = reference_and_old_logps(run, args, input_ids, attention_mask, T, kept)
+    ref_logps, old_logps = reference_and_old_logps(run, args, input_ids, attention_mask, T, kept,
+                                                   most_kept)
     num_items = world_sum(mask.sum().item(), device=device)[0]   # N: masked tokens, all ranks
     # S micro-batches of the kept rows on every rank (DDP all-reduces in the last, FSDP gathers in
     # each): as many as the rank that keeps the most rows needs; 0: no rank keeps one
-    widest, most_kept = world_max(input_ids.shape[1], len(kept), device=device)
     micro = args.micro_batch_size or auto_micro_batch(len(rows), widest, args)
     S = math.ceil(most_kept / micro)
     alpha, applied = state.next_alpha, False   # alpha: set after the previous step
@@ -336,10 +337,7 @@ def grpo_step(args, run, rows, state):
         # 13. unscale (fp16), clip the global grad norm, AdamW; a step whose loss or grad norm is
         # not finite on any rank is skipped on every rank (update_is_finite: a world decision)
         run.scaler.unscale_(run.optimizer)  # the true loss's gradients: the clip sees real values
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            policy.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shard
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm(policy, args.grad_clip)  # FSDP: over every rank's shard
         if update_is_finite(run, state, totals["loss"], grad_norm):
             run.scaler.step(run.optimizer)  # optimizer.step(), the gradients unscaled
             run.scaler.update()
@@ -500,17 +498,17 @@ def rows_to_train(args, run, advantages, mask, alpha):
     return ((advantages != 0) & (mask.sum(1) > 0)).nonzero().squeeze(1)
 
 
-def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept):
+def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept, most_kept):
     """Steps 5-6: reference (beta > 0) and old (mu > 1) log-probs of the kept rows, without a graph:
     [rows, T], 0 on rows not trained (never read), or None. Under FSDP the policy's forward
-    gathers every layer (a collective): while any rank keeps a row, one that keeps none scores a
-    stand-in row."""
+    gathers every layer (a collective): while any rank keeps a row (most_kept: the world's most),
+    one that keeps none scores a stand-in row."""
     out, kw = [], dict(chunk_size=args.logp_chunk_size, with_entropy=False,
                        **scored_distribution(args))
     for model, wanted in ((run.ref_model, run.ref_model is not None),
                           (run.model, args.num_iterations > 1)):
         logps, idx = None, kept
-        if wanted and is_fsdp(model) and world_max(len(kept), device=run.device)[0] > 0:
+        if wanted and is_fsdp(model) and most_kept > 0:
             idx = kept if len(kept) else kept.new_zeros(1)                        # a stand-in row
         if wanted:
             logps = torch.zeros(input_ids.shape[0], T, device=input_ids.device)
@@ -1428,9 +1426,7 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
             loss = loss + aux * unwrap(model).config.router_aux_loss_coef
         sft.scaler.scale(loss).backward()
         sft.scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(unwrap(model).parameters(), 1.0)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm(unwrap(model), 1.0)
         if update_is_finite(sft, state, loss.item(), grad_norm):
             sft.scaler.step(opt)
             sft.scaler.update()
@@ -1612,9 +1608,14 @@ def eos_token_ids(model, tokenizer):
     return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
 
 
+def completion_token_ids(completion_ids, mask):
+    # each completion's tokens up to and including its EOS, as lists (what TRL passes rewards)
+    return [ids[m.bool()].tolist() for ids, m in zip(completion_ids, mask)]
+
+
 def decode_completions(tokenizer, completion_ids, mask):
-    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
-            for ids, m in zip(completion_ids, mask)]
+    return [tokenizer.decode(ids, skip_special_tokens=True)
+            for ids in completion_token_ids(completion_ids, mask)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1704,6 +1705,14 @@ def shard_fsdp(model, args, world):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def clip_grad_norm(model, max_norm):
+    """The global grad norm, the gradients scaled down to max_norm if it is above (0: no clip).
+    Under FSDP the norm comes back as a DTensor: made the whole world's number on every rank."""
+    max_norm = max_norm if max_norm > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def sync_gradients(model, on):
@@ -2056,7 +2065,7 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
                                      do_sample=False, static_cache=use_static_cache(args, device))
         texts = decode_completions(tokenizer, comp, mask)
         if rows:  # the ids as generated, EOS included (what the rewards get in training)
-            correct += sum(score(texts, rows, [c[m.bool()].tolist() for c, m in zip(comp, mask)]))
+            correct += sum(score(texts, rows, completion_token_ids(comp, mask)))
     c, n = world_sum(correct, len(mine), device=device)
     return c / max(n, 1)
 

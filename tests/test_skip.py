@@ -108,8 +108,9 @@ def two_ranks(rank, world, out_dir, skip, reward_path, reward, extra):
     real_rows, real_logps = tg.rows_to_train, tg.completion_logps
 
     def rows_to_train(*a, **k):
-        kept.append(len(real_rows(*a, **k)))
-        return real_rows(*a, **k)
+        out = real_rows(*a, **k)
+        kept.append(len(out))
+        return out
 
     def logps(*a, **k):
         forwards[0] += torch.is_grad_enabled()
