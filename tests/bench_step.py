@@ -116,7 +116,8 @@ def main():
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    work = tempfile.mkdtemp()
+    tmp = tempfile.TemporaryDirectory()   # removed when this process ends (a run leaves GBs)
+    work = tmp.name
     n = build(os.path.join(work, "model"), a.small)
     device = torch.cuda.get_device_name() if gpu else f"CPU ({os.cpu_count()} cores)"
     print(f"model: {'tiny' if a.small else 'Qwen2.5-0.5B shape'}, {n / 1e6:.0f}M parameters; {device}; "

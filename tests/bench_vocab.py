@@ -28,7 +28,8 @@ BATCH = ["--batch_size", "2", "--num_generations", "8", "--max_gen_len", "64", "
 def child(who, model_dir, extra):
     """One run in this process; prints a RESULT line."""
     import bench_step
-    save_dir = tempfile.mkdtemp()
+    tmp = tempfile.TemporaryDirectory()   # removed when this process ends (a run leaves GBs)
+    save_dir = tmp.name
     if who == "ours":
         import train_grpo as tg
         tg.main(["--model_name_or_path", model_dir, "--dataset", bench_step.DATA, *BATCH, "--save_dir", save_dir,
@@ -59,7 +60,8 @@ def main():
         return child(argv[1], argv[2], extra)
     import bench_step
     import train_grpo as tg
-    work = tempfile.mkdtemp()
+    tmp = tempfile.TemporaryDirectory()   # removed when this process ends (a run leaves GBs)
+    work = tmp.name
     results = {}
     for vocab in (V, 2 * V):
         path = os.path.join(work, f"v{vocab}")

@@ -26,12 +26,16 @@ def test_every_code_cell_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     nb = json.load(open(NB))
     ns = {"__name__": "__notebook__"}
-    for i, cell in enumerate(nb["cells"]):
-        if cell["cell_type"] == "code":
-            code = "".join(cell["source"])
-            assert "def grpo_loss" not in code and "def compute_advantages" not in code  # imports, never re-implements
-            exec(compile(code, f"cell {i}", "exec"), ns)
-    assert ns["evals"] and ns["steps"]
+    try:
+        for i, cell in enumerate(nb["cells"]):
+            if cell["cell_type"] == "code":
+                code = "".join(cell["source"])
+                assert "def grpo_loss" not in code and "def compute_advantages" not in code  # imports only
+                exec(compile(code, f"cell {i}", "exec"), ns)
+        assert ns["evals"] and ns["steps"]
+    finally:
+        if "work" in ns:
+            ns["work"].cleanup()   # the runs' folder (SmolLM2's: ~2.5 GB), as a kernel's exit would
 
 
 def test_every_number_the_prose_quotes_is_what_a_cell_printed():

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -40,7 +41,8 @@ def smol(tmp_path_factory):
     plain.save_pretrained(saved)
     tok.padding_side = "left"
     tok.save_pretrained(saved)
-    return raw, plain, tok, saved
+    yield raw, plain, tok, saved
+    shutil.rmtree(saved, ignore_errors=True)   # 540 MB
 
 
 def logits(model, ids):

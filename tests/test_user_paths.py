@@ -2,7 +2,6 @@
 test-only datasets, rows as the dataset has them, reward weights, bad reward values, every EOS id, loggers
 after a resume, flag combinations that cannot work."""
 import json
-import math
 import re
 import subprocess
 
