@@ -61,9 +61,7 @@ from tqdm import tqdm
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
 
-# --------------------------------------------------------------------------------------------------
-# Config. Every field is a command-line flag (`--name value`); --help shows its text and default.
-# --------------------------------------------------------------------------------------------------
+# --- Config: every field is a flag `--name value`; --help shows its text and default --------------
 def opt(default, help, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -199,9 +197,7 @@ def default_epsilon_high(loss_type, epsilon):
 # ==================================================================================================
 
 
-# --------------------------------------------------------------------------------------------------
-# The step: every stage a labelled block, in order
-# --------------------------------------------------------------------------------------------------
+# --- The step: every stage a labelled block, in order ---------------------------------------------
 @dataclass
 class TrainState:
     """Everything the loop carries from one step to the next (all of it goes into a checkpoint)."""
@@ -369,9 +365,7 @@ def grpo_step(args, run, rows, state):
     return record
 
 
-# --------------------------------------------------------------------------------------------------
-# Stages 1-2. Prompts and rollout: sample on the *unwrapped* policy, in eval mode, without a graph
-# --------------------------------------------------------------------------------------------------
+# --- Stages 1-2. Prompts and rollout: the *unwrapped* policy, eval mode, no graph -----------------
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
     """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
     A prompt starts with the BOS its tokenizer puts first (Llama, Gemma, Mistral: as in
@@ -434,9 +428,7 @@ class SamplerLogps:
         return torch.stack(self.logps + [last], dim=1)
 
 
-# --------------------------------------------------------------------------------------------------
-# Stages 3-4. Rewards and advantages
-# --------------------------------------------------------------------------------------------------
+# --- Stages 3-4. Rewards and advantages -----------------------------------------------------------
 def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None):
     # r_i = sum_k w_k * reward_k(o_i) over the rewards that apply to o_i: None means "does not
     # apply" (TRL: NaN, then nansum). reward_values calls f per sample, f(completion, **row), or
@@ -479,9 +471,7 @@ def compute_advantages(rewards, num_generations, scale_rewards="group", batch_st
     return centered.reshape(-1)                                                   # [B*G]
 
 
-# --------------------------------------------------------------------------------------------------
-# Stages 5-7, 10. The rows trained; reference, old and current log-probs; entropy
-# --------------------------------------------------------------------------------------------------
+# --- Stages 5-7, 10. The rows trained; reference, old and current log-probs; entropy --------------
 def rows_to_train(args, run, advantages, mask, alpha):
     """The rows whose forward and backward can change the update: indices [kept]. With beta = 0 and
     no entropy bonus, a row with A = 0, or without a masked token, adds exactly 0 to the gradient
@@ -654,9 +644,7 @@ def entropy_from_logits(logits):
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)   # without V
 
 
-# --------------------------------------------------------------------------------------------------
-# Stages 8-9. The objective, the mismatch correction, the normalization
-# --------------------------------------------------------------------------------------------------
+# --- Stages 8-9. The objective, the mismatch correction, the normalization ------------------------
 def importance_weights(ratio, kind, cap):
     # the sampler drew o from pi_sampler, the loss scores pi_trainer: per token
     #   rho = exp(logp_trainer - logp_sampler)
@@ -741,9 +729,7 @@ def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, w
     raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
 
 
-# --------------------------------------------------------------------------------------------------
-# Stage 11. The next step's entropy coefficient: one world number on every rank
-# --------------------------------------------------------------------------------------------------
+# --- Stage 11. The next step's entropy coefficient: one world number on every rank ----------------
 def world_mean(local_sum, local_count, device="cpu"):
     # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of rank means
     total, count = world_sum(local_sum, local_count, device=device)
@@ -759,9 +745,7 @@ def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_ma
     return max(coef - delta, coef_min), 0.0
 
 
-# --------------------------------------------------------------------------------------------------
-# The loop: set up, then one grpo_step per step
-# --------------------------------------------------------------------------------------------------
+# --- The loop: set up, then one grpo_step per step ------------------------------------------------
 def train(args, rank, world, device):
     """Set up, start or resume, then the loop: prompts, one GRPO step, evaluate, log, save."""
     started = time.time()
@@ -843,9 +827,7 @@ def frozen_copy(policy, dtype):
 # ==================================================================================================
 
 
-# --------------------------------------------------------------------------------------------------
-# Flags: checked before any work; a problem is one line `error: ...`
-# --------------------------------------------------------------------------------------------------
+# --- Flags: checked before any work; a problem is one line `error: ...` ---------------------------
 class TrainerError(Exception):
     """A problem with the user's input: reported as one line `error: ...`, never a traceback."""
 
@@ -983,9 +965,7 @@ def check_paths(a):
         yield f"--dataset {a.dataset}: no such file"
 
 
-# --------------------------------------------------------------------------------------------------
-# Tasks and datasets
-# --------------------------------------------------------------------------------------------------
+# --- Tasks and datasets ---------------------------------------------------------------------------
 # The built-in task: reverse a string of letters, "cabde=" -> "edbac". Its reward is checked by code
 # (the share of characters in the right place), it has a held-out split of strings never trained on,
 # and a 2-layer model can solve it, so a few minutes on a CPU show whether the algorithm learns.
@@ -1237,9 +1217,7 @@ def load_task(args, tokenizer, world):
     return train_rows, eval_rows, reward_fns, weights, (key, score)
 
 
-# --------------------------------------------------------------------------------------------------
-# Models: the built-in tiny one, pretrained ones, the frozen reference, the warm start
-# --------------------------------------------------------------------------------------------------
+# --- Models: the built-in tiny one, pretrained ones, the warm start -------------------------------
 def build_char_tokenizer(chars):
     """A character-level tokenizer made in-process: a token per character, <pad> <eos> <unk>."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -1439,9 +1417,7 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
               "(loss or grad norm not finite; under fp16 the loss scale was still falling)")
 
 
-# --------------------------------------------------------------------------------------------------
-# Reward functions: the two ways one is called (per sample; TRL's batched form)
-# --------------------------------------------------------------------------------------------------
+# --- Reward functions: the two ways one is called (per sample; TRL's batched form) ----------------
 def reward_values(fn, completions, completion_ids, rows):
     """One reward function's value (or None) for each sample. The per-sample form is called once
     per sample, f(completion, **row); TRL's batched form, recognised by a parameter named
@@ -1494,9 +1470,7 @@ def call_batched_reward(fn, completions, completion_ids, rows):
                        completion_ids=completion_ids)
 
 
-# --------------------------------------------------------------------------------------------------
-# The loop's tools: data order, optimizer and schedule, loss scale, micro-batch size, decoding
-# --------------------------------------------------------------------------------------------------
+# --- The loop's tools: data order, optimizer, schedule, loss scale, micro-batches, decoding -------
 def set_up(args, rank, world, device):
     """Seeds, the policy and its tokenizer, the task, this rank's data order, the DDP/FSDP wrapper
     (`model`; `policy` is the bare model), and the built-in task's supervised warm-up."""
@@ -1618,9 +1592,7 @@ def decode_completions(tokenizer, completion_ids, mask):
             for ids in completion_token_ids(completion_ids, mask)]
 
 
-# --------------------------------------------------------------------------------------------------
-# Processes and precision: torchrun, DDP, FSDP2, autocast
-# --------------------------------------------------------------------------------------------------
+# --- Processes and precision: torchrun, DDP, FSDP2, autocast --------------------------------------
 def setup_distributed(args):
     """(rank, world, device): torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; `python` is one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -1795,9 +1767,7 @@ def world_std(values, device="cpu"):
     return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
 
 
-# --------------------------------------------------------------------------------------------------
-# Checkpoints and resume (step 14): HF-format weights + trainer state, a temp dir renamed when whole
-# --------------------------------------------------------------------------------------------------
+# --- Checkpoints (step 14): HF weights + trainer state, a temp dir renamed when whole -------------
 def rng_state():
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -1975,9 +1945,7 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
     return state
 
 
-# --------------------------------------------------------------------------------------------------
-# Evaluation and reporting
-# --------------------------------------------------------------------------------------------------
+# --- Evaluation and reporting ---------------------------------------------------------------------
 def step_metrics(run, state, rewards, advantages, mask, no_eos, totals, first, prompts_cut, G,
                  num_items):
     """The step's record: world values (sums and counts over ranks, or the world's min and max).
@@ -2153,9 +2121,7 @@ def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank
           f"{held_out}; model: {where}")
 
 
-# --------------------------------------------------------------------------------------------------
-# main
-# --------------------------------------------------------------------------------------------------
+# --- main -----------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
     rank, world, device = setup_distributed(args)
