@@ -2,14 +2,12 @@
 
 One step (`grpo_step`), in the stages of the README's "The math", each a labelled block there:
   1. Prompts: B per rank, each repeated G times (a group), left-padded, left-truncated.
-  2. Rollout: G completions per prompt from `model.generate`, keeping the sampler's log-prob of
-     every token it drew.
+  2. Rollout: G completions per prompt (`model.generate`) and the sampler's log-prob of each token.
   3. Reward: plain-Python rewards, per sample or TRL's batched form (None: does not apply).
   4. Advantage: A = (r - mean of its group) / (std of its group + 1e-4). No value network.
   5-6. Reference (beta > 0) and old (mu > 1) log-probs: detached tensors, no graph.
-  7. Current log-probs: a fresh forward through the DDP wrapper, chunked through lm_head so
-     [rows, T, vocab] logits never exist; with top-k/top-p, scored under the truncation that
-     sampled (--sampling_replay 1).
+  7. Current log-probs: a fresh forward through the DDP wrapper, lm_head in chunks ([rows, T, vocab]
+     logits never exist); top-k/top-p: under the truncation that sampled (--sampling_replay 1).
   8. The per-token objective: the clipped ratio (per token, or per sequence: GSPO) or cispo's
      capped-weight REINFORCE, times an optional tis/mis mismatch weight, + beta k3 KL.
   9. Normalization: grpo, bnpo, dr_grpo, dapo (cispo: dapo's).
@@ -192,8 +190,7 @@ def default_epsilon_high(loss_type, epsilon):
 
 
 # ==================================================================================================
-# THE ALGORITHM: the step (stages 1-14, README: The math), the helpers it calls in the order it
-# calls them, then the loop.
+# THE ALGORITHM: the step (stages 1-14), the helpers in the order it calls them, then the loop.
 # ==================================================================================================
 
 
@@ -228,8 +225,7 @@ class Run:
 
 
 def grpo_step(args, run, rows, state):
-    """One step on this rank's B prompts (`run`: model, reference, optimizer, ...). Updates `state`
-    in place and returns the step's metrics (world values)."""
+    """One step on this rank's B prompts: updates `state` in place, returns the metrics (world)."""
     t0, G, policy, device = time.time(), args.num_generations, unwrap(run.model), run.device
     lr = run.scheduler.get_last_lr()[0]                                  # this step's rate
     reset_peak_memory(device)
@@ -298,8 +294,7 @@ def grpo_step(args, run, rows, state):
             # on-policy old = logp.detach(): the ratio is 1 in value, its gradient dlogp (never
             # exp(x - x) with both sides in the graph: its gradient is 0)
             old = old_logps[idx] if old_logps is not None else logps.detach()
-            # the sampler's log-prob against the trainer's at the weights that sampled (old):
-            # rho = exp(old - sampler)
+            # rho = exp(old - sampler logp): the trainer at the weights that sampled vs the sampler
             gaps.append(torch.where(mask[idx].bool(), old - sampler_logps[idx], 0.0))
             gap_masks.append(mask[idx])
             # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
@@ -343,9 +338,8 @@ def grpo_step(args, run, rows, state):
     if applied:
         run.scheduler.step()
 
-    # 11, after the update: its rule sets the next step's alpha from one world entropy (a sum
-    # and a count, of the policy that sampled, over the rows trained: all of them when adaptive),
-    # so every rank holds the same c
+    # 11, after the update: the next step's alpha from one world entropy (a sum and a count, of
+    # the policy that sampled, over the rows trained: all when adaptive): the same c on every rank
     state.world_entropy = world_mean(first["entropy_sum"], first["tokens"], device=device)
     if args.use_adaptive_entropy:
         state.entropy_coef, state.next_alpha = update_entropy_coef(
@@ -368,10 +362,9 @@ def grpo_step(args, run, rows, state):
 # --- Stages 1-2. Prompts and rollout: the *unwrapped* policy, eval mode, no graph -----------------
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
     """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
-    A prompt starts with the BOS its tokenizer puts first (Llama, Gemma, Mistral: as in
-    pretraining), never twice: a chat template that writes it (Llama-3's <|begin_of_text|>) gets
-    none added; no EOS is ever added. Returns input_ids [B, P], attention_mask [B, P] and how many
-    prompts were cut."""
+    A prompt starts with the BOS its tokenizer puts first (Llama, Gemma, Mistral: as pretrained),
+    never twice (a chat template that writes it, Llama-3's <|begin_of_text|>, gets none added); no
+    EOS is added. Returns input_ids [B, P], attention_mask [B, P] and how many prompts were cut."""
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
     ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -381,37 +374,32 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
     width = max(len(x) for x in ids)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
-    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids],
-                                  device=device)
-    return input_ids, attention_mask, n_cut
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+    return input_ids, mask, n_cut
 
 
 @torch.no_grad()
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
             temperature=1.0, top_p=1.0, top_k=0, static_cache=False):
-    """Sample completions with model.generate. Returns completion ids [rows, T], mask [rows, T],
-    no_eos [rows], and the sampler's log-prob of each completion token [rows, T] (0 outside the
-    mask; None if greedy). The sampling distribution is top_k_top_p_filter(z / temperature, top_k,
-    top_p), applied by SamplerLogps, and nothing else: plain_generate sets aside a checkpoint's
-    generation_config.json (repetition_penalty, ...: a distribution the loss never scores)."""
+    """Sample with model.generate: completion ids [rows, T], mask [rows, T], no_eos [rows] and the
+    sampler's log-prob of each token [rows, T] (0 outside the mask; None if greedy). It samples from
+    top_k_top_p_filter(z / temperature, top_k, top_p) (SamplerLogps) alone: plain_generate sets
+    aside a checkpoint's generation_config.json (repetition_penalty, ...: the loss never scores)."""
     eos = eos_token_ids(policy, tokenizer)  # stop on, and mask after, every EOS declared
     sampler = SamplerLogps(temperature, top_k, top_p) if do_sample else None
     completion_ids = plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eos,
                                     sampler, static_cache)                        # [rows, T]
     mask, no_eos = completion_mask(completion_ids, eos)
-    sampler_logps = None
     # after EOS generate writes pads, which the truncation may have dropped (-inf)
-    if sampler is not None:
-        sampler_logps = torch.where(mask.bool(), sampler.finish(completion_ids), 0.0)
+    sampler_logps = (None if sampler is None
+                     else torch.where(mask.bool(), sampler.finish(completion_ids), 0.0))
     return completion_ids, mask, no_eos, sampler_logps
 
 
 class SamplerLogps:
     """A logits processor for generate: it applies the sampling distribution itself (temperature,
-    top-k, top-p: generate's own are switched off) and keeps, for each sampled token, its log-prob
-    under that distribution. One [rows, V] step at a time: when generate asks for step t+1's scores,
-    its input ends with the token it drew at step t, which is gathered from step t's log-softmax;
-    finish() does the last token."""
+    top-k, top-p; generate's own are off) and keeps each sampled token's log-prob under it, gathered
+    from step t's log-softmax when step t+1's input ends with it; finish() does the last token."""
     def __init__(self, temperature=1.0, top_k=0, top_p=1.0):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.previous, self.logps = None, []
@@ -430,10 +418,9 @@ class SamplerLogps:
 
 # --- Stages 3-4. Rewards and advantages -----------------------------------------------------------
 def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None):
-    # r_i = sum_k w_k * reward_k(o_i) over the rewards that apply to o_i: None means "does not
-    # apply" (TRL: NaN, then nansum). reward_values calls f per sample, f(completion, **row), or
-    # once in TRL's batched form. A sample no reward applies to, a reward that raises, or a value
-    # that is neither None nor a finite number stops the run with the sample named
+    # r_i = sum_k w_k * reward_k(o_i) over the rewards that apply (None: does not apply; TRL: NaN,
+    # then nansum); reward_values: f(completion, **row) per sample, or TRL's batched form. A sample
+    # no reward applies to, a reward that raises, or a value neither None nor finite stops the run
     rewards, applies = torch.zeros(len(completions)), [False] * len(completions)
     for fn, w in zip(reward_fns, weights):
         for i, value in enumerate(reward_values(fn, completions, completion_ids, rows)):
@@ -473,13 +460,11 @@ def compute_advantages(rewards, num_generations, scale_rewards="group", batch_st
 
 # --- Stages 5-7, 10. The rows trained; reference, old and current log-probs; entropy --------------
 def rows_to_train(args, run, advantages, mask, alpha):
-    """The rows whose forward and backward can change the update: indices [kept]. With beta = 0 and
-    no entropy bonus, a row with A = 0, or without a masked token, adds exactly 0 to the gradient
-    under every normalization that keeps its divisor (README: Work without a gradient), so it is
-    skipped (--skip_zero_advantage_rows 1). All rows are kept where it does add something: the KL
-    (beta > 0), an entropy bonus (alpha, the one this step applies; an adaptive coefficient also
-    needs every row's entropy), the MoE router loss, and under bnpo, whose divisor is each
-    micro-batch's own tokens."""
+    """The rows whose forward and backward can change the update: indices [kept]. A row with A = 0,
+    or no masked token, adds exactly 0 to the gradient (README: Work without a gradient), so
+    --skip_zero_advantage_rows 1 skips it, unless another term counts it: the KL (beta > 0), an
+    entropy bonus (alpha, this step's; an adaptive coefficient needs every row's entropy), the MoE
+    router loss, or bnpo (its divisor is each micro-batch's own tokens)."""
     exact = (args.beta == 0 and alpha == 0 and not args.use_adaptive_entropy
              and not is_moe(run.model) and args.loss_type != "bnpo")
     if not (args.skip_zero_advantage_rows and exact):
@@ -497,11 +482,9 @@ def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept, most_
                        **scored_distribution(args))
     for model, wanted in ((run.ref_model, run.ref_model is not None),
                           (run.model, args.num_iterations > 1)):
-        logps, idx = None, kept
-        if wanted and is_fsdp(model) and most_kept > 0:
-            idx = kept if len(kept) else kept.new_zeros(1)                        # a stand-in row
-        if wanted:
-            logps = torch.zeros(input_ids.shape[0], T, device=input_ids.device)
+        logps = torch.zeros(input_ids.shape[0], T, device=input_ids.device) if wanted else None
+        stand_in = wanted and is_fsdp(model) and most_kept > 0 and len(kept) == 0
+        idx = kept.new_zeros(1) if stand_in else kept
         if wanted and len(idx):
             with torch.no_grad(), autocast(args, input_ids.device):
                 lp = completion_logps(model, input_ids[idx], attention_mask[idx], T, **kw)[0]
@@ -511,8 +494,7 @@ def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept, most_
 
 
 def scored_distribution(args):
-    """The distribution the trainer scores tokens under: the sampler's (replay), or the full
-    tempered one."""
+    """The distribution scored: the sampler's (replay: its truncation), or the full tempered one."""
     replay = args.sampling_replay
     return dict(temperature=args.temperature, top_k=args.top_k if replay else 0,
                 top_p=args.top_p if replay else 1.0)
@@ -520,13 +502,12 @@ def scored_distribution(args):
 
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
                      top_k=0, top_p=1.0, chunk_size=0, entropy_grad=False, with_entropy=True):
-    """Log-probs (and entropy) of the last T tokens of each row, from the final hidden states
-    through lm_head in chunks of chunk_size tokens (0: auto_chunk_tokens(V)), so [rows, T, V] logits
-    never exist at once. temperature, top_k, top_p: the distribution scored (top_k_top_p_filter;
-    0 and 1: the full one). Call it with the DDP wrapper: its forward makes DDP all-reduce the
-    gradients. Without grad (reference, old log-probs) it runs the decoder alone, which keeps no
-    layer's hidden states but the last. Returns logps [rows, T], entropy [rows, T] (a graph only if
-    entropy_grad), the router's aux loss (MoE) or None."""
+    """Log-probs (and entropy) of each row's last T tokens: final hidden states through lm_head,
+    chunk_size tokens at a time (0: auto_chunk_tokens(V)), so [rows, T, V] logits never exist.
+    temperature, top_k, top_p: the distribution scored (0 and 1: the full one). Call it with the DDP
+    wrapper: its forward makes DDP all-reduce the gradients. Without grad (reference, old) it runs
+    the decoder alone, which keeps no hidden states but the last. Returns logps [rows, T], entropy
+    [rows, T] (a graph only if entropy_grad), and the router's aux loss (MoE) or None."""
     T = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)   # as generate() computes them
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -543,8 +524,7 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     hidden = hidden[:, -T - 1:-1, :]                                  # [rows, T, H]: before token t
     targets = input_ids[:, -T:]                                                   # [rows, T]
     head = functools.partial(lm_logits, unwrap(model))      # lm_head + the model's post-processing
-    # truncating holds a few more [c, V] tensors (the sort's values and indices, a mask): a smaller
-    # auto chunk
+    # truncating holds more [c, V] tensors (the sort's values and indices, a mask): smaller chunks
     truncating = top_k > 0 or top_p < 1.0
     vocab = unwrap(model).get_output_embeddings().weight.shape[0]
     chunk_size = chunk_size or auto_chunk_tokens(vocab) // (4 if truncating else 1) or 1
@@ -576,10 +556,8 @@ def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1
 
 
 def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, with_entropy=True):
-    """One chunk: hidden [c, H] -> logits [c, V] (they exist only inside this chunk). lm_head:
-    anything that maps hidden states to logits (the model's lm_logits, or a bare nn.Linear).
-    sampling: temperature, top_k, top_p of the distribution to score (top_k 0, top_p 1: the full
-    one)."""
+    """One chunk: hidden [c, H] -> logits [c, V], which exist only here. lm_head: anything mapping
+    hidden states to logits; sampling: temperature, top_k, top_p of the distribution scored."""
     logits = lm_head(hidden).float()           # [c, V]: the one fp32 copy (bf16 under autocast)
     if sampling["temperature"] != 1.0:
         logits.div_(sampling["temperature"])   # in place: no second [c, V] (nothing saved it)
@@ -629,9 +607,8 @@ def completion_mask(completion_ids, eos_token_id):
 
 
 def selective_log_softmax(logits, index):
-    # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax.
-    # One temporary the size of z: the caller's chunk bounds it (auto: LOGITS_BUDGET_MIB of fp32
-    # logits; --logp_chunk_size N: N tokens)
+    # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax;
+    # one temporary the size of z, which the caller's chunk bounds (auto: LOGITS_BUDGET_MIB)
     z = logits.reshape(-1, logits.shape[-1]).float()                                # [N, V]
     logps = z.gather(-1, index.reshape(-1, 1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return logps.view(index.shape)
@@ -664,12 +641,10 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
               importance_sampling_level="token"):
     """logps/old_logps/ref_logps/mask/entropy/is_weight: [rows, T]; advantages: [rows]. Returns
     (loss, stats). old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy.
-    is_weight: a detached per-token weight of the policy term (importance_weights: the
-    sampler/trainer mismatch correction). step_rows: grpo's and dr_grpo's row count (aggregate).
-    importance_sampling_level "sequence" (GSPO): one ratio per sequence, s_i = exp(sum_t m (logp -
-    old) / max(sum_t m, 1)), clipped per sequence and applied to each of its tokens; meant for
-    loss_type grpo (a mean per sequence), refused for cispo. clip_ratio counts masked tokens either
-    way: a clipped sequence counts all its tokens."""
+    is_weight: a detached per-token weight of the policy term (importance_weights). step_rows:
+    grpo's and dr_grpo's row count (aggregate). importance_sampling_level "sequence" (GSPO): one
+    ratio s_i per sequence, clipped and applied to each of its tokens (meant for grpo, refused for
+    cispo); clip_ratio counts masked tokens either way: a clipped sequence counts all its tokens."""
     assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) has zero gradient"
     mask = mask.to(logps.dtype)
     A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
@@ -752,9 +727,8 @@ def train(args, rank, world, device):
     # model (DDP/FSDP-wrapped as `model`), data, the built-in task's supervised warm-up
     policy, model, tokenizer, task, prompt_order = set_up(args, rank, world, device)
     train_rows, eval_rows, reward_fns, weights, (eval_key, score) = task
-    ref_model = None
-    if args.beta > 0:  # frozen reference copy of the starting policy, only when the KL term exists
-        ref_model = frozen_copy(policy, getattr(torch, args.dtype))
+    # frozen reference copy of the starting policy, only when the KL term exists
+    ref_model = frozen_copy(policy, getattr(torch, args.dtype)) if args.beta > 0 else None
     optimizer, scheduler = build_optimizer(policy, args)
     run = Run(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer,
               reward_fns, weights, world, device)
@@ -790,17 +764,16 @@ def train(args, rank, world, device):
         close_report()
     barrier()
     return {"model": policy, "step": state.step, "entropy_coef": state.entropy_coef,
-            "next_alpha": state.next_alpha,
-            "world_entropy": state.world_entropy}
+            "next_alpha": state.next_alpha, "world_entropy": state.world_entropy}
 
 
 def frozen_copy(policy, dtype):
-    """The reference model: a frozen, unsharded copy of the policy as it is now, that computes
-    exactly what the policy computes at equal weights. Under autocast the policy's Linear layers
-    read a --dtype copy of their fp32 weights: the reference stores just that copy, and keeps the
-    rest as the policy has it (embeddings and a head tied to them, norms, MoE expert tensors, RoPE's
-    inv_freq: fp32). `.to(bf16)` on the whole copy would round those too: KL != 0 at step 1. Under
-    FSDP every parameter arrives in --dtype (its MixedPrecisionPolicy), so the reference's do."""
+    """The reference: a frozen, unsharded copy of the policy as it is now, computing exactly what
+    the policy computes at equal weights. Under autocast the policy's Linear layers read a --dtype
+    copy of their fp32 weights: the reference stores just that copy and keeps the rest as the policy
+    has it (embeddings and a head tied to them, norms, MoE expert tensors, RoPE's inv_freq: fp32);
+    `.to(bf16)` on the whole copy would round those too: KL != 0 at step 1. Under FSDP every
+    parameter arrives in --dtype (its MixedPrecisionPolicy; buffers fp32), so the reference's do."""
     import copy
     if not is_fsdp(policy):
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -816,7 +789,6 @@ def frozen_copy(policy, dtype):
     ref = AutoModelForCausalLM.from_config(policy.config).to(next(iter(full.values())).device)
     disable_dropout(ref)
     ref.load_state_dict(full)
-    # FSDP's mixed precision gathers every parameter in --dtype (buffers stay fp32)
     for p in ref.parameters():
         p.data = p.data.to(dtype)
     return ref.eval().requires_grad_(False)
