@@ -260,8 +260,7 @@ def grpo_step(args, run, rows, state):
     # the rows to train on: all, or those whose advantage is not 0 (where skipping is exact)
     kept = rows_to_train(args, run, advantages, mask, state.next_alpha)  # [kept]
     widest, most_kept = world_max(input_ids.shape[1], len(kept), device=device)  # all ranks'
-    # 5-6. reference and old log-probs of those rows: plain tensors, no graph (old only when
-    # mu > 1; else the loss uses logps.detach())
+    # 5-6. reference (beta > 0) and old (mu > 1) log-probs of those rows: plain tensors, no graph
     ref_logps, old_logps = reference_and_old_logps(run, args, input_ids, attention_mask, T, kept,
                                                    most_kept)
     num_items = world_sum(mask.sum().item(), device=device)[0]   # N: masked tokens, all ranks
@@ -539,12 +538,10 @@ def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1
     """hidden [rows, T, H] -> logps, entropy [rows, T], chunk_size tokens of logits at a time: the
     largest logits tensor is [chunk_size, V] however many rows there are."""
     rows, T = targets.shape
-    flat_hidden = hidden.reshape(rows * T, hidden.shape[-1])                      # [N, H]
-    flat_targets = targets.reshape(rows * T)                                      # [N]
     logps, entropy = [], []
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    for s in range(0, rows * T, chunk_size):
-        h, y = flat_hidden[s:s + chunk_size], flat_targets[s:s + chunk_size]
+    for h, y in zip(hidden.reshape(rows * T, hidden.shape[-1]).split(chunk_size),    # [c, H]
+                    targets.reshape(rows * T).split(chunk_size)):                      # [c]
         if torch.is_grad_enabled():  # keep the chunk's inputs; recompute its logits in backward
             lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, sampling, entropy_grad,
                                  with_entropy, use_reentrant=False)
@@ -627,7 +624,6 @@ def importance_weights(ratio, kind, cap):
     #   rho = exp(logp_trainer - logp_sampler)
     #   tis (truncated importance sampling): w = min(rho, C)
     #   mis (masked importance sampling):    w = 1[1/C <= rho <= C]
-    #   none: no weight
     if kind == "tis":
         return torch.clamp(ratio, max=cap)
     if kind == "mis":
@@ -687,11 +683,10 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
 
 def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1,
               accum_steps=1, step_rows=None):
-    """A per-token quantity [rows, T] -> the scalar the loss uses (the README's step 9 table).
-    grpo and dr_grpo divide by this rank's rows in the whole step, step_rows (None: this
-    micro-batch's rows x S, the same number when every row is trained); skipped rows count in it."""
+    """A per-token quantity [rows, T] -> the scalar the loss uses (the README's step 9 table). grpo
+    and dr_grpo divide by this rank's rows in the whole step, skipped ones too: step_rows."""
     total = per_token * mask
-    rows = step_rows or mask.shape[0] * accum_steps  # = micro-batch rows x S
+    rows = step_rows or mask.shape[0] * accum_steps  # None: micro-batch rows x S (if none skipped)
     if loss_type == "grpo":     # sum_i [ sum_t L m / max(sum_t m, 1) ] / rows  (= mean_i [..] / S)
         return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / rows
     if loss_type == "bnpo":     # sum L m / max(sum m, 1) / S   (this rank's micro-batch)
