@@ -1027,8 +1027,8 @@ def gsm8k_format_reward(completion, answer):
 
 
 # compare_numbers, the built-in task for a real instruct model: the larger of two 2-digit numbers,
-# alone. Greedy, SmolLM2-135M-Instruct answers 1% of held-out questions so (prose, wrong numbers),
-# yet one of 8 samples is right for ~65% of prompts: signal GRPO turns into a short, right answer.
+# alone. SmolLM2-135M-Instruct (greedy) answers 1% of held-out questions as asked, the rest in prose
+# or wrongly, yet one of 8 samples is right for ~65% of prompts: signal GRPO turns into the answer.
 COMPARE_NUMBERS = "compare_numbers"
 
 
@@ -1324,8 +1324,8 @@ def lm_logits(model, hidden):
 
 class Fp32Linear(torch.nn.Linear):
     """--cast_lm_head_to_fp32: the model's own lm_head, z = float(h) @ float(W)^T under any autocast
-    (bf16 autocast rounds h and W to 8 bits of mantissa: the largest sampler/trainer mismatch). Used
-    by generate and lm_logits; parameters, state_dict keys and a tied head stay the Linear's."""
+    (bf16 autocast rounds h and W to 8 bits of mantissa first: the largest source of sampler/trainer
+    mismatch). generate and lm_logits use it; its state_dict is the Linear's, a tied head tied."""
     def forward(self, hidden):
         with torch.autocast(hidden.device.type, enabled=False):
             bias = None if self.bias is None else self.bias.float()
