@@ -803,18 +803,15 @@ def one_line(e):
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"error: {message}\n")
-
-
 def build_parser():
     """One flag per Args field, in the groups Args' comments name; --help shows each default. A flag
     not typed is absent from the parse: Args' defaults, or a task's own, fill it in."""
     tasks = "; ".join(f"--dataset {k}: " + ", ".join(f"--{n} {v}" for n, v in d.items())
                       for k, d in TASK_DEFAULTS.items())
-    parser = OneLineParser(description="GRPO trainer: one file, every formula tested (README.md)",
-                           epilog=f"a task's own defaults (a flag given wins): {tasks}")
+    parser = argparse.ArgumentParser(
+        description="GRPO trainer: one file, every formula tested (README.md)",
+        epilog=f"a task's own defaults (a flag given wins): {tasks}")
+    parser.error = lambda message: parser.exit(2, f"error: {message}\n")  # one line, no usage
     fields, group = {f.name: f for f in dataclasses.fields(Args)}, parser
     for line in inspect.getsource(Args).splitlines():
         comment, name = re.fullmatch(r"    # (.+)", line), re.match(r"    (\w+): \w+ = opt\(", line)
@@ -867,9 +864,8 @@ def check_args(a):
         (a.importance_sampling_level == "token" or a.is_correction == "none",
          "--importance_sampling_level sequence with --is_correction: a token's weight would not "
          "stop its gradient, which reaches it through the sequence's ratio; use one or the other"),
-        (not (a.cast_lm_head_to_fp32 and a.fsdp),
-         "--cast_lm_head_to_fp32 1 with --fsdp 1: FSDP gathers the lm_head in --dtype, so it "
-         "would not be an fp32 head; use DDP (--fsdp 0)"),
+        (not (a.cast_lm_head_to_fp32 and a.fsdp), "--cast_lm_head_to_fp32 1 with --fsdp 1: FSDP "
+         "gathers the lm_head in --dtype, so it would not be an fp32 head; use DDP (--fsdp 0)"),
         (a.entropy_coef_min <= a.entropy_coef_max, f"--entropy_coef_min {a.entropy_coef_min} "
          f"must be <= --entropy_coef_max {a.entropy_coef_max}"),
         *[(math.isfinite(getattr(a, f.name)), f"--{f.name} must be a finite number, got "
@@ -877,9 +873,8 @@ def check_args(a):
         (a.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA GPU is visible"),
         (a.dataset or not a.model_name_or_path,
          "--model_name_or_path needs --dataset (the built-in task uses its own tiny tokenizer)"),
-        (a.model_name_or_path or not a.dataset,
-         f"--dataset {a.dataset} needs --model_name_or_path (the built-in tiny model knows only "
-         "the reversal task's characters)"),
+        (a.model_name_or_path or not a.dataset, f"--dataset {a.dataset} needs --model_name_or_path "
+         "(the built-in tiny model knows only the reversal task's characters)"),
         (not os.path.isfile(a.save_dir), f"--save_dir {a.save_dir} is a file, not a directory"),
         (a.resume in ("", "auto") or os.path.isdir(a.resume),
          f"--resume {a.resume}: no such checkpoint directory"),
@@ -998,16 +993,14 @@ def gsm8k_format_reward(completion, answer):
     return float(re.search(r"####\s*" + _NUMBER + r"\s*$", completion.strip()) is not None)
 
 
-# compare_numbers, the built-in task for a real instruct model: which of two 2-digit numbers is
-# larger, the number alone. SmolLM2-135M-Instruct answers in prose or wrongly (greedy: 1% of the
-# held-out questions answered as asked), yet one of 8 samples is right for ~65% of the prompts: the
-# groups carry signal, and GRPO turns it into a short, right answer.
+# compare_numbers, the built-in task for a real instruct model: the larger of two 2-digit numbers,
+# alone. SmolLM2-135M-Instruct (greedy) answers 1% of held-out questions as asked, the rest in prose
+# or wrongly, yet one of 8 samples is right for ~65% of prompts: signal GRPO turns into the answer.
 COMPARE_NUMBERS = "compare_numbers"
 
 
 def make_compare_task(eval_size, seed=1234):
-    """Held out: the first eval_size ordered pairs of a seeded shuffle, in neither order trained on
-    ("37 or 52" held out: "52 or 37" is not trained on either)."""
+    """Held out: the first eval_size pairs of a seeded shuffle, in neither order trained on."""
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
     rng.shuffle(pairs)
@@ -1087,10 +1080,9 @@ def load_rows(args):
         raise TrainerError(f"--dataset {name}: no such file")
     if local and os.path.getsize(path) == 0:
         raise TrainerError(f"--dataset {name}: the dataset is empty")
+    source, config = ("openai/gsm8k", "main") if name == "gsm8k" else (name, None)
     if local:  # a file, through the builder of its format
-        source, config = ("parquet" if path.endswith(".parquet") else "json"), None
-    else:
-        source, config = ("openai/gsm8k", "main") if name == "gsm8k" else (name, None)
+        source = "parquet" if path.endswith(".parquet") else "json"
     try:
         splits = datasets.load_dataset(source, config, data_files=path if local else None)
     except Exception as e:  # a malformed file, a name the hub does not know: say which, in one line
@@ -1163,8 +1155,7 @@ def load_task(args, tokenizer, world):
     reward_fns, weights = task_rewards(args)
     is_correct = reward_fns[0]
     answer_key = args.answer_field if args.dataset not in ("", COMPARE_NUMBERS) else "answer"
-    # the task's own rewards take `answer`: hand them --answer_field's column
-    if answer_key != "answer":
+    if answer_key != "answer":  # the task's own rewards take `answer`: hand them this column
         reward_fns = [answer_from(fn, answer_key) for fn in reward_fns]
     if args.reward_funcs:  # your own: weight 1.0 each unless --reward_weights says otherwise
         reward_fns = load_reward_funcs(args.reward_funcs)
@@ -1205,10 +1196,9 @@ def build_tiny_model(vocab_size, use_moe, tokenizer):
                   tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     if use_moe:
-        config = Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=4,
-                                num_experts_per_tok=2, decoder_sparse_step=1,
-                                router_aux_loss_coef=0.01, **common)
-        return Qwen3MoeForCausalLM(config)
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+            decoder_sparse_step=1, router_aux_loss_coef=0.01, **common))
     return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common))
 
 
@@ -1225,8 +1215,7 @@ def load_model_and_tokenizer(args, device):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         name, remote = args.model_name_or_path, bool(args.trust_remote_code)
         where, gguf = name, {}
-        # transformers reads weights, tokenizer and chat template from the file
-        if name.endswith(".gguf"):
+        if name.endswith(".gguf"):  # transformers reads weights, tokenizer, chat template from it
             where, file = os.path.split(os.path.abspath(os.path.expanduser(name)))
             gguf = {"gguf_file": file}
         try:
@@ -1256,13 +1245,11 @@ def load_model_and_tokenizer(args, device):
 
 
 def plain_model(model):
-    """A model read from GGUF holds plain fp32 weights (dequantized on load) but keeps the GGUF
-    quantizer's mark, and save_pretrained refuses it. Rebuilt from its config without the mark, it
-    saves (and checkpoints) as a plain safetensors folder that plain transformers loads."""
+    """Read from GGUF, a model holds dequantized fp32 weights but keeps the quantizer's mark, which
+    save_pretrained refuses: rebuilt without it, it saves (and checkpoints) as plain safetensors."""
     from transformers import AutoModelForCausalLM
-    config = model.config
-    del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    del model.config.quantization_config
+    plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
     return plain
@@ -1270,8 +1257,7 @@ def plain_model(model):
 
 @torch.no_grad()
 def check_output_head(model):
-    """Log-probs come from lm_logits(last hidden state): refuse a model whose forward does something
-    else."""
+    """Log-probs come from lm_logits(last hidden state): refuse a model whose forward differs."""
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]      # 8 arbitrary tokens
     was_training = model.training
@@ -1304,10 +1290,9 @@ def lm_logits(model, hidden):
 
 
 class Fp32Linear(torch.nn.Linear):
-    """--cast_lm_head_to_fp32: the model's own lm_head, z = float(h) @ float(W)^T whatever autocast
-    says (bf16 autocast rounds h and W to 8 bits of mantissa first: the largest source of
-    sampler/trainer mismatch). generate and lm_logits both use it; parameters and state_dict keys
-    stay the Linear's (an HF checkpoint still; a tied head stays tied)."""
+    """--cast_lm_head_to_fp32: the model's own lm_head, z = float(h) @ float(W)^T under any autocast
+    (bf16 autocast rounds h and W to 8 bits of mantissa first: the largest source of sampler/trainer
+    mismatch). generate and lm_logits use it; its state_dict is the Linear's, a tied head tied."""
     def forward(self, hidden):
         with torch.autocast(hidden.device.type, enabled=False):
             bias = None if self.bias is None else self.bias.float()
@@ -1351,8 +1336,7 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
     sft = Run(model, None, opt, None, loss_scaler(args.dtype, device), tokenizer, [], [], world,
               device)
-    state = TrainState()
-    rng = random.Random(args.seed + 7)
+    state, rng = TrainState(), random.Random(args.seed + 7)
     for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
         picks = [rng.randrange(len(train_rows)) for _ in range(args.batch_size)]
         rows = [train_rows[i] for i in picks[rank::world]]
@@ -1362,10 +1346,9 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
         target = torch.tensor([a + [tokenizer.eos_token_id] for a in answers],
                               device=device)                                      # [B, len+1]
         with autocast(args, device):
-            logps, _, aux = completion_logps(model, torch.cat([ids, target], 1),
-                                             torch.cat([am, torch.ones_like(target)], 1),
-                                             target.shape[1], chunk_size=args.logp_chunk_size,
-                                             with_entropy=False)
+            logps, _, aux = completion_logps(
+                model, torch.cat([ids, target], 1), torch.cat([am, torch.ones_like(target)], 1),
+                target.shape[1], chunk_size=args.logp_chunk_size, with_entropy=False)
         loss = -logps.mean()
         if aux is not None:
             loss = loss + aux * unwrap(model).config.router_aux_loss_coef
@@ -1386,9 +1369,8 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 
 # --- Reward functions: the two ways one is called (per sample; TRL's batched form) ----------------
 def reward_values(fn, completions, completion_ids, rows):
-    """One reward function's value (or None) for each sample. The per-sample form is called once
-    per sample, f(completion, **row); TRL's batched form, recognised by a parameter named
-    `completions`, once on all of them (call_batched_reward)."""
+    """One reward function's value (or None) per sample: f(completion, **row) once per sample, or
+    TRL's batched form, recognised by a parameter named `completions`, once on all of them."""
     if "completions" not in inspect.signature(fn).parameters:
         values = []
         for i, (c, row) in enumerate(zip(completions, rows)):
@@ -1425,9 +1407,8 @@ def call_reward(fn, /, *args, **kwargs):
 
 
 def call_batched_reward(fn, completions, completion_ids, rows):
-    """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), every
-    other dataset column as a list. Chat prompts: `prompts` are the dataset's message lists and
-    each completion is [{"role": "assistant", "content": text}]."""
+    """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), the other
+    columns as lists; chat prompts stay message lists, a completion [{"role": "assistant", ...}]."""
     prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
     if not isinstance(prompts[0], str):  # conversational
         completions = [[{"role": "assistant", "content": c}] for c in completions]
