@@ -1663,9 +1663,8 @@ def wrap_ddp(model, device):
 
 def shard_fsdp(model, args, world):
     """FSDP2: each decoder layer, then the root (embeddings, final norm, lm_head), becomes a unit
-    whose parameters, gradients and AdamW state live 1/world on each rank: its forward all-gathers
-    the parameters (in --dtype; fp32 sharded masters), its backward reduce-scatters the gradients
-    (in fp32)."""
+    whose parameters, gradients and AdamW state live 1/world on each rank. Forward all-gathers the
+    parameters (in --dtype; fp32 sharded masters), backward reduce-scatters the gradients (fp32)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(next(model.parameters()).device.type, (world,))
