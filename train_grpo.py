@@ -1428,9 +1428,16 @@ def set_up(args, rank, world, device):
     policy, tokenizer = load_model_and_tokenizer(args, device)
     task = load_task(args, tokenizer, world)
     train_rows, eval_rows = task[:2]
-    if rank == 0:
-        describe_task(args, train_rows, eval_rows)
-    if not eval_rows:  # an empty test split, or a file of fewer than 10 rows: nothing to evaluate
+    if rank == 0:  # what the run trains on, said as it starts: the split, a task's defaults
+        print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never "
+              "trained on")
+        if args.dataset in TASK_DEFAULTS:
+            print(f"--dataset {args.dataset} sizes in effect (the task's defaults unless typed): "
+                  + ", ".join(f"--{n} {getattr(args, n)}" for n in TASK_DEFAULTS[args.dataset]))
+    if not eval_rows:  # nothing to evaluate
+        if rank == 0 and args.eval_interval > 0:
+            print("no held-out prompts (an empty test split, or a file of fewer than 10 rows): no "
+                  "evaluation")
         args.eval_interval = 0
     prompt_order = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
                                       shuffle=True, seed=args.seed, drop_last=True)
@@ -1445,34 +1452,28 @@ def set_up(args, rank, world, device):
 
 def next_prompts(prompt_order, train_rows, state, batch_size):
     """Step 1: this rank's B prompts, in the DistributedSampler's order (a new one each epoch)."""
-    prompt_order.set_epoch(state.sampler_epoch)
-    order = list(prompt_order)
-    if state.sampler_pos + batch_size > len(order):
+    if state.sampler_pos + batch_size > len(prompt_order):  # len: this rank's share of an epoch
         state.sampler_epoch, state.sampler_pos = state.sampler_epoch + 1, 0
-        prompt_order.set_epoch(state.sampler_epoch)
-        order = list(prompt_order)
-    rows = [train_rows[i] for i in order[state.sampler_pos:state.sampler_pos + batch_size]]
+    prompt_order.set_epoch(state.sampler_epoch)
+    order = list(prompt_order)[state.sampler_pos:state.sampler_pos + batch_size]
     state.sampler_pos += batch_size
-    return rows
+    return [train_rows[i] for i in order]
 
 
 def build_optimizer(policy, args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
-        s, warmup_steps=args.warmup_steps, max_steps=args.max_steps, schedule=args.lr_scheduler))
-    return optimizer, scheduler
 
-
-def lr_factor(step, *, warmup_steps, max_steps, schedule):
-    # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
-    # (constant) or 0.5 (1 + cos(pi * (step - warmup) / (max_steps - warmup))) (cosine)
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    def lr_factor(step):
+        # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
+        # (constant) or 0.5 (1 + cos(pi * (step - warmup) / (max_steps - warmup))) (cosine)
+        if step < args.warmup_steps:
+            return (step + 1) / (args.warmup_steps + 1)
+        if args.lr_scheduler == "constant":
+            return 1.0
+        progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
 def loss_scaler(dtype, device):
@@ -1582,9 +1583,8 @@ class gathered:
 
 
 def autocast(args, device):
-    # compute in --dtype while the weights stay fp32: each matmul reads a bf16 copy of its fp32
-    # weight, and AdamW's update lands on the fp32 master (a 1e-6 step on a bf16 weight of 0.02
-    # rounds away: spacing ~1e-4)
+    # compute in --dtype, the weights fp32: a matmul reads a bf16 copy, AdamW updates the fp32
+    # master (a 1e-6 step on a bf16 weight of 0.02 rounds away: spacing ~1e-4)
     dtype = getattr(torch, args.dtype)
     return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -1611,13 +1611,11 @@ def wrap_ddp(model, device):
 
 def shard_fsdp(model, args, world):
     """FSDP2: each decoder layer, then the root (embeddings, final norm, lm_head), becomes a unit
-    whose parameters, gradients and AdamW state live 1/world on each rank: its forward all-gathers
-    the parameters (in --dtype; fp32 sharded masters), its backward reduce-scatters the gradients
-    (in fp32)."""
+    whose parameters, gradients and AdamW state live 1/world on each rank. Forward all-gathers the
+    parameters (in --dtype; fp32 sharded masters), backward reduce-scatters the gradients (fp32)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    device_type = next(model.parameters()).device.type
-    mesh = init_device_mesh(device_type, (world,))
+    mesh = init_device_mesh(next(model.parameters()).device.type, (world,))
     compute = getattr(torch, args.dtype)
     mp = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
                               reduce_dtype=torch.float32)
@@ -1645,36 +1643,29 @@ def sync_gradients(model, on):
 
 def update_is_finite(run, state, loss, grad_norm):
     """Step 13's world decision: True when no rank's loss or grad norm is inf or NaN (the caller
-    then steps AdamW). A skip is counted in state.skipped_steps (updates: mu per step); under fp16
-    the loss scale then halves on every rank (down to MIN_LOSS_SCALE), and doubles after 2,000 good
-    steps in a row (GradScaler's rule). An overflow the scale can still cure is the scaler's normal
-    work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, counts toward the stop after 3 in a
-    row (state.bad_in_a_row)."""
+    then steps AdamW). A skip is counted in state.skipped_steps (updates: mu per step). An overflow
+    the scale can still cure is the scaler's normal work; a non-finite loss, or an overflow at
+    MIN_LOSS_SCALE, counts toward the stop after 3 in a row (state.bad_in_a_row)."""
     bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
                                    device=run.device)
     if bad_loss + bad_norm == 0:
         state.bad_in_a_row = 0
         return True
     state.skipped_steps += 1
-    scale_can_drop = run.scaler.is_enabled() and run.scaler.get_scale() > MIN_LOSS_SCALE
-    if bad_loss or not scale_can_drop:
+    scaler = run.scaler
+    if bad_loss or not (scaler.is_enabled() and scaler.get_scale() > MIN_LOSS_SCALE):
         state.bad_in_a_row += 1
-    lower_loss_scale(run.scaler)  # fp16: halved on every rank alike
-    return False
-
-
-def lower_loss_scale(scaler):
-    """fp16, on a skipped update: every rank halves its scale alike (its own check may have seen no
-    inf), down to MIN_LOSS_SCALE, and restarts GradScaler's count of good steps toward doubling."""
     if scaler.is_enabled():
+        # fp16: every rank halves its scale alike (its own check may have seen no inf), down to
+        # MIN_LOSS_SCALE, and restarts GradScaler's count of 2,000 good steps in a row to double
         scaler.update(max(scaler.get_scale() * scaler.get_backoff_factor(), MIN_LOSS_SCALE))
         scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
+    return False
 
 
 def full_state_dict(model, every_rank=False):
     """The whole model's parameters as plain tensors. Under FSDP a collective that gathers them from
-    every rank: to rank 0 alone, in CPU memory (for saving), or to every rank where they are
-    (every_rank)."""
+    every rank: to rank 0 alone, in CPU memory (for saving), or to every rank (every_rank)."""
     if not is_fsdp(model):
         return unwrap(model).state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -1684,10 +1675,9 @@ def full_state_dict(model, every_rank=False):
 
 def stop_if_failing(args, state, step):
     if state.bad_in_a_row >= 3:
-        last = find_checkpoint(args.save_dir) or "none"
         raise TrainerError(f"step {step}: loss not finite, or gradients overflowing at the "
                            f"smallest loss scale, for 3 steps in a row; stopping (last good "
-                           f"checkpoint: {last})")
+                           f"checkpoint: {find_checkpoint(args.save_dir) or 'none'})")
 
 
 def barrier():
@@ -1696,8 +1686,7 @@ def barrier():
 
 
 def world_sum(*values, device="cpu", op="SUM"):
-    """Each value summed (op="MAX": its largest) over all ranks, in one all-reduce (identity in a
-    single process)."""
+    """Each value summed (op="MAX": its largest) over all ranks in one all-reduce; alone: as is."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
@@ -1899,37 +1888,33 @@ def step_metrics(run, state, rewards, advantages, mask, no_eos, totals, first, p
     """The step's record: world values (sums and counts over ranks, or the world's min and max).
     With mu > 1 it mixes two updates: loss, policy_loss, kl, clip_ratio and grad_norm are the last
     update's (`totals`), entropy and the sampler mismatch the first's (`first`: the policy that
-    sampled). entropy, clip_ratio and the sampler mismatch cover the rows trained on (rows_trained,
-    all ranks; all rows unless zero-advantage rows are skipped); a step that trains no token leaves
-    them out."""
+    sampled). entropy, clip_ratio and the mismatch cover the rows trained on (rows_trained, all
+    ranks; all rows unless zero-advantage rows are skipped); a step training no token has none."""
     world, device = run.world, run.device
     grouped = rewards.view(-1, G)
     zero_std = (grouped.amax(1) == grouped.amin(1)).float().mean()  # groups whose rewards all tie
     (r_mean, r_sq, a_mean, a_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut, trained,
      tokens) = world_sum(rewards.mean(), (rewards ** 2).mean(), advantages.mean(),
-                         (advantages ** 2).mean(),
-                         mask.sum(1).float().mean(), no_eos.float().mean(), zero_std,
-                         totals["loss"], totals["policy_loss"], totals["kl_sum"], totals["clip"],
-                         totals["aux"], prompts_cut, totals["rows"], totals["tokens"],
-                         device=device)
+                         (advantages ** 2).mean(), mask.sum(1).float().mean(),
+                         no_eos.float().mean(), zero_std, totals["loss"], totals["policy_loss"],
+                         totals["kl_sum"], totals["clip"], totals["aux"], prompts_cut,
+                         totals["rows"], totals["tokens"], device=device)
     state.truncated_prompts += int(cut)
-    n = max(num_items, 1.0)
+    # the policy that sampled against the sampler, per masked token trained on
+    mismatch = sampler_mismatch(first["gap"], first["gap_mask"], device)
     record = {"reward": r_mean / world,
               "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
               "frac_reward_zero_std": zero_std / world,
               "advantage_std": math.sqrt(max(a_sq / world - (a_mean / world) ** 2, 0.0)),
               "loss": loss / world, "policy_loss": pl / world,
-              "kl": kl / n,  # a masked mean over all tokens of all ranks
+              "kl": kl / max(num_items, 1.0),  # a masked mean over all tokens of all ranks
               "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
               "clip_ratio": clip / max(tokens, 1.0), "completion_len": c_len / world,
-              "truncated_frac": trunc / world, "rows_trained": int(trained),
-              # the policy that sampled against the sampler, per masked token trained on
-              **sampler_mismatch(first["gap"], first["gap_mask"], device),
+              "truncated_frac": trunc / world, "rows_trained": int(trained), **mismatch,
               "skipped_steps": state.skipped_steps, "skipped_steps_in_a_row": state.bad_in_a_row,
               "truncated_prompts": state.truncated_prompts}
     if tokens == 0:  # no token trained: no entropy, clipping or mismatch was measured
-        for k in ("entropy", "clip_ratio", "sampler_logp_diff_mean", "sampler_logp_diff_max",
-                  "is_ratio_min", "is_ratio_mean", "is_ratio_max"):
+        for k in ("entropy", "clip_ratio", *mismatch):
             del record[k]
     if is_moe(run.model):
         record["aux_loss"] = aux / world
@@ -1942,37 +1927,22 @@ def sampler_mismatch(gap, mask, device="cpu"):
     on = mask.bool()
     diff, rho = gap[on].abs(), gap[on].exp()
     n, diff_sum, ratio_sum = world_sum(on.sum(), diff.sum(), rho.sum(), device=device)
-    some = on.any()  # a rank without masked tokens takes no part in the world's max and min
-    diff_max, ratio_max, neg_ratio_min = world_max(
-        diff.max() if some else 0.0, rho.max() if some else -math.inf,
-        -rho.min() if some else -math.inf, device=device)
+    # a rank without masked tokens takes no part in the world's max and min
+    local = (diff.max(), rho.max(), -rho.min()) if on.any() else (0.0, -math.inf, -math.inf)
+    diff_max, ratio_max, neg_ratio_min = world_max(*local, device=device)
     return {"sampler_logp_diff_mean": diff_sum / max(n, 1.0), "sampler_logp_diff_max": diff_max,
             "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio_sum / max(n, 1.0),
             "is_ratio_max": ratio_max}
-
-
-def describe_task(args, train_rows, eval_rows):
-    """What the run trains on, said as it starts: the split, a task's defaults in effect."""
-    print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never trained "
-          "on")
-    if args.dataset in TASK_DEFAULTS:
-        print(f"--dataset {args.dataset} sizes in effect (the task's defaults unless typed): "
-              + ", ".join(f"--{n} {getattr(args, n)}" for n in TASK_DEFAULTS[args.dataset]))
-    if not eval_rows and args.eval_interval > 0:
-        print("no held-out prompts (an empty test split, or a file of fewer than 10 rows): no "
-              "evaluation")
 
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=256):
     """Mean over the held-out rows, all ranks together, of score(texts, rows, completion_ids), one
     number per greedy completion. Every rank runs as many rollouts as the busiest (under FSDP each
-    gathers the weights, a collective): a rank out of rows generates for a stand-in and scores it
-    not."""
+    gathers the weights, a collective): a rank out of rows generates for a stand-in, unscored."""
     mine = eval_rows[rank::world]
     correct = 0.0
-    n_batches = int(world_max(math.ceil(len(mine) / batch), device=device)[0])
-    for b in range(n_batches):
+    for b in range(int(world_max(math.ceil(len(mine) / batch), device=device)[0])):
         rows = mine[b * batch:(b + 1) * batch]
         prompts = [r["prompt"] for r in rows] or [eval_rows[0]["prompt"]]
         ids, am, _ = tokenize_prompts(tokenizer, prompts, args.max_prompt_len, device)
@@ -2034,9 +2004,8 @@ def open_report(args, rank, resumed_at=None):
         if resumed_at is None or not os.path.isfile(id_file):
             with open(id_file, "w") as f:
                 f.write(os.urandom(4).hex())  # not from the seeded RNGs: the run stays reproducible
-        run = wandb.init(project="train_grpo", name=name, dir=args.save_dir,
-                         config=dataclasses.asdict(args),
-                         id=open(id_file).read().strip(), resume="allow")
+        run = wandb.init(project="train_grpo", name=name, dir=args.save_dir, resume="allow",
+                         config=dataclasses.asdict(args), id=open(id_file).read().strip())
         def send_to_wandb(record):
             run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         return send_to_wandb, run.finish
