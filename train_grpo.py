@@ -67,7 +67,7 @@ def opt(default, help, **kw):
 @dataclass
 class Args:
     # what to train
-    loss_type: str = opt("grpo", "normalization of the objective (README: The math, step 9)",
+    loss_type: str = opt("grpo", "normalization of the objective (README: The math, stage 9)",
                          choices=LOSS_TYPES)
     use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint "
                        "is MoE)", choices=(0, 1))
@@ -120,7 +120,7 @@ class Args:
     importance_sampling_level: str = opt("token", "the ratio: per token, or per sequence, exp("
                                          "its tokens' mean of logp - old) (GSPO; for grpo, not "
                                          "cispo)", choices=("token", "sequence"))
-    # log-probs and entropy (README: The math, steps 7, 10-11)
+    # log-probs and entropy (README: The math, stages 7, 10-11)
     logp_chunk_size: int = opt(0, "tokens per lm_head chunk for log-probs (recomputed in "
                                "backward); 0: auto, a chunk's fp32 logits within 64 MiB")
     entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start "
@@ -383,7 +383,7 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     """Sample with model.generate: completion ids [rows, T], mask [rows, T], no_eos [rows] and the
     sampler's log-prob of each token [rows, T] (0 outside the mask; None if greedy). It samples from
     top_k_top_p_filter(z / temperature, top_k, top_p) (SamplerLogps) alone: plain_generate sets
-    aside a checkpoint's generation_config.json (repetition_penalty, ...: the loss never scores)."""
+    aside a checkpoint's generation_config.json (repetition_penalty, ...: unscored)."""
     eos = eos_token_ids(policy, tokenizer)  # stop on, and mask after, every EOS declared
     sampler = SamplerLogps(temperature, top_k, top_p) if do_sample else None
     completion_ids = plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eos,
@@ -460,10 +460,11 @@ def compute_advantages(rewards, num_generations, scale_rewards="group", batch_st
 # --- Stages 5-7, 10. The rows trained; reference, old and current log-probs; entropy --------------
 def rows_to_train(args, run, advantages, mask, alpha):
     """The rows whose forward and backward can change the update: indices [kept]. A row with A = 0,
-    or no masked token, adds exactly 0 to the gradient (README: Work without a gradient), so
-    --skip_zero_advantage_rows 1 skips it, unless another term counts it: the KL (beta > 0), an
-    entropy bonus (alpha, this step's; an adaptive coefficient needs every row's entropy), the MoE
-    router loss, or bnpo (its divisor is each micro-batch's own tokens)."""
+    or no masked token, adds exactly 0 to the gradient under a normalization whose divisor does not
+    depend on the rows kept (README: Work without a gradient), so --skip_zero_advantage_rows 1 skips
+    it, unless it counts elsewhere: the KL (beta > 0), an entropy bonus (alpha, this step's; an
+    adaptive coefficient needs every row's entropy), the MoE router loss, or bnpo (skipping would
+    change its divisor, each micro-batch's own tokens)."""
     exact = (args.beta == 0 and alpha == 0 and not args.use_adaptive_entropy
              and not is_moe(run.model) and args.loss_type != "bnpo")
     if not (args.skip_zero_advantage_rows and exact):
@@ -473,7 +474,7 @@ def rows_to_train(args, run, advantages, mask, alpha):
 
 
 def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept, most_kept):
-    """Steps 5-6: reference (beta > 0) and old (mu > 1) log-probs of the kept rows, without a graph:
+    """Stages 5-6: reference (beta > 0) and old (mu > 1) log-probs of the kept rows, no graph:
     [rows, T], 0 on rows not trained (never read), or None. Under FSDP the policy's forward
     gathers every layer (a collective): while any rank keeps a row (most_kept: the world's most),
     one that keeps none scores a stand-in row."""
@@ -605,7 +606,7 @@ def completion_mask(completion_ids, eos_token_id):
 
 def selective_log_softmax(logits, index):
     # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax;
-    # one temporary the size of z, which the caller's chunk bounds (auto: LOGITS_BUDGET_MIB)
+    # one temporary the size of z, which the caller's chunk bounds (LOGITS_BUDGET_MIB, or N tokens)
     z = logits.reshape(-1, logits.shape[-1]).float()                                # [N, V]
     logps = z.gather(-1, index.reshape(-1, 1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return logps.view(index.shape)
@@ -683,7 +684,7 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
 
 def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1,
               accum_steps=1, step_rows=None):
-    """A per-token quantity [rows, T] -> the scalar the loss uses (the README's step 9 table). grpo
+    """A per-token quantity [rows, T] -> the scalar the loss uses (the README's stage 9 table). grpo
     and dr_grpo divide by this rank's rows in the whole step, skipped ones too: step_rows."""
     total = per_token * mask
     rows = step_rows or mask.shape[0] * accum_steps  # None: micro-batch rows x S (if none skipped)
@@ -1082,7 +1083,7 @@ def load_rows(args):
         raise TrainerError(f"--dataset {name}: the dataset is empty")
     source, config = ("openai/gsm8k", "main") if name == "gsm8k" else (name, None)
     if local:  # a file, through the builder of its format
-        source = "parquet" if path.endswith(".parquet") else "json"
+        source, config = ("parquet" if path.endswith(".parquet") else "json"), None
     try:
         splits = datasets.load_dataset(source, config, data_files=path if local else None)
     except Exception as e:  # a malformed file, a name the hub does not know: say which, in one line
@@ -1451,7 +1452,7 @@ def set_up(args, rank, world, device):
 
 
 def next_prompts(prompt_order, train_rows, state, batch_size):
-    """Step 1: this rank's B prompts, in the DistributedSampler's order (a new one each epoch)."""
+    """Stage 1: this rank's B prompts, in the DistributedSampler's order (a new one each epoch)."""
     if state.sampler_pos + batch_size > len(prompt_order):  # len: this rank's share of an epoch
         state.sampler_epoch, state.sampler_pos = state.sampler_epoch + 1, 0
     prompt_order.set_epoch(state.sampler_epoch)
@@ -1465,7 +1466,7 @@ def build_optimizer(policy, args):
                                   weight_decay=args.weight_decay)
 
     def lr_factor(step):
-        # the step-th update (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
+        # GRPO step `step` (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
         # (constant) or 0.5 (1 + cos(pi * (step - warmup) / (max_steps - warmup))) (cosine)
         if step < args.warmup_steps:
             return (step + 1) / (args.warmup_steps + 1)
@@ -1642,10 +1643,11 @@ def sync_gradients(model, on):
 
 
 def update_is_finite(run, state, loss, grad_norm):
-    """Step 13's world decision: True when no rank's loss or grad norm is inf or NaN (the caller
-    then steps AdamW). A skip is counted in state.skipped_steps (updates: mu per step). An overflow
-    the scale can still cure is the scaler's normal work; a non-finite loss, or an overflow at
-    MIN_LOSS_SCALE, counts toward the stop after 3 in a row (state.bad_in_a_row)."""
+    """Stage 13's world decision: True when no rank's loss or grad norm is inf or NaN (the caller
+    then steps AdamW). A skip is counted in state.skipped_steps (updates: mu per step), and under
+    fp16 halves run.scaler's scale on every rank. An overflow the scale can still cure is the
+    scaler's normal work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, counts toward the
+    stop after 3 in a row (state.bad_in_a_row, counted per update)."""
     bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
                                    device=run.device)
     if bad_loss + bad_norm == 0:
@@ -1664,8 +1666,8 @@ def update_is_finite(run, state, loss, grad_norm):
 
 
 def full_state_dict(model, every_rank=False):
-    """The whole model's parameters as plain tensors. Under FSDP a collective that gathers them from
-    every rank: to rank 0 alone, in CPU memory (for saving), or to every rank (every_rank)."""
+    """The whole model's parameters as plain tensors. Under FSDP a collective that gathers them
+    from every rank: to rank 0 in CPU memory (saving), or to each rank's device (every_rank)."""
     if not is_fsdp(model):
         return unwrap(model).state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -1704,7 +1706,7 @@ def world_std(values, device="cpu"):
     return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
 
 
-# --- Checkpoints (step 14): HF weights + trainer state, a temp dir renamed when whole -------------
+# --- Checkpoints (stage 14): HF weights + trainer state, a temp dir renamed when whole ------------
 def rng_state():
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -2061,4 +2063,11 @@ def cli(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    code = cli()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun: leave without the interpreter's teardown, where gloo's threads can abort a run
+        # that has finished and saved (SIGABRT, "terminate called without an active exception")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
