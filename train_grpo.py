@@ -2064,9 +2064,9 @@ def cli(argv=None):
 
 if __name__ == "__main__":
     code = cli()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # torchrun: leave without the interpreter's teardown, where gloo's threads can abort a run
-        # that has finished and saved (SIGABRT, "terminate called without an active exception")
+    if code == 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun, a finished run: leave without the interpreter's teardown, where gloo's threads
+        # can abort it after all is saved (SIGABRT, "terminate called without an active exception")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

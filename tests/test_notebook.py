@@ -1,6 +1,7 @@
 """The notebook: it ships executed (so it reads on GitHub), and every code cell runs fresh, in order."""
 import json
 import os
+import tempfile
 
 import pytest
 
@@ -24,6 +25,7 @@ def test_every_code_cell_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("NOTEBOOK_FAST", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the notebook's `work` folder: removed with it
     nb = json.load(open(NB))
     ns = {"__name__": "__notebook__"}
     try:
