@@ -328,7 +328,7 @@ def grpo_step(args, run, rows, state):
         # not finite on any rank is skipped on every rank (update_is_finite: a world decision)
         run.scaler.unscale_(run.optimizer)  # the true loss's gradients: the clip sees real values
         grad_norm = clip_grad_norm(policy, args.grad_clip)  # FSDP: over every rank's shard
-        if update_is_finite(run, state, totals["loss"], grad_norm):
+        if update_is_finite(run.scaler, state, totals["loss"], grad_norm, run.device):
             run.scaler.step(run.optimizer)  # optimizer.step(), the gradients unscaled
             run.scaler.update()
             applied = True
@@ -1335,8 +1335,7 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
     batch_size rows per step however many ranks share them (torchrun starts from the one-process
     run's warm start). The GRPO update's rule: fp16 loss scaling, clip at 1, skips by all ranks."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
-    sft = Run(model, None, opt, None, loss_scaler(args.dtype, device), tokenizer, [], [], world,
-              device)
+    scaler = loss_scaler(args.dtype, device)
     state, rng = TrainState(), random.Random(args.seed + 7)
     for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
         picks = [rng.randrange(len(train_rows)) for _ in range(args.batch_size)]
@@ -1353,12 +1352,12 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
         loss = -logps.mean()
         if aux is not None:
             loss = loss + aux * unwrap(model).config.router_aux_loss_coef
-        sft.scaler.scale(loss).backward()
-        sft.scaler.unscale_(opt)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         grad_norm = clip_grad_norm(unwrap(model), 1.0)
-        if update_is_finite(sft, state, loss.item(), grad_norm):
-            sft.scaler.step(opt)
-            sft.scaler.update()
+        if update_is_finite(scaler, state, loss.item(), grad_norm, device):
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         if state.bad_in_a_row >= 3:
             raise TrainerError("supervised warm-up: loss or grad norm not finite for 3 steps in a "
@@ -1642,19 +1641,18 @@ def sync_gradients(model, on):
         model.set_requires_gradient_sync(on)
 
 
-def update_is_finite(run, state, loss, grad_norm):
+def update_is_finite(scaler, state, loss, grad_norm, device="cpu"):
     """Stage 13's world decision: True when no rank's loss or grad norm is inf or NaN (the caller
     then steps AdamW). A skip is counted in state.skipped_steps (updates: mu per step), and under
-    fp16 halves run.scaler's scale on every rank. An overflow the scale can still cure is the
+    fp16 halves the scaler's scale on every rank. An overflow the scale can still cure is the
     scaler's normal work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, counts toward the
     stop after 3 in a row (state.bad_in_a_row, counted per update)."""
     bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
-                                   device=run.device)
+                                   device=device)
     if bad_loss + bad_norm == 0:
         state.bad_in_a_row = 0
         return True
     state.skipped_steps += 1
-    scaler = run.scaler
     if bad_loss or not (scaler.is_enabled() and scaler.get_scale() > MIN_LOSS_SCALE):
         state.bad_in_a_row += 1
     if scaler.is_enabled():

@@ -185,7 +185,7 @@ def test_a_skip_counts_toward_the_stop_when_the_loss_scale_cannot_cure_it(fp16, 
         next(model.parameters()).grad.view(-1)[0] = torch.inf
     state = tg.TrainState(bad_in_a_row=1)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)     # as step 13 computes it
-    assert tg.update_is_finite(run, state, loss, grad_norm) is False         # the step is skipped
+    assert tg.update_is_finite(run.scaler, state, loss, grad_norm) is False         # the step is skipped
     assert state.skipped_steps == 1 and state.bad_in_a_row == 1 + counts
     if fp16:
         assert run.scaler.get_scale() == scale_after
