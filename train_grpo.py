@@ -7,9 +7,9 @@ One step (`grpo_step`), in the stages of the README's "The math", each a labelle
   4. Advantage: A = (r - mean of its group) / (std of its group + 1e-4). No value network.
   5-6. Reference (beta > 0) and old (mu > 1) log-probs: detached tensors, no graph.
   7. Current log-probs: a fresh forward through the DDP wrapper, lm_head in chunks ([rows, T, vocab]
-     logits never exist); top-k/top-p: under the truncation that sampled (--sampling_replay 1).
+     logits never exist); top-k/top-p: under the truncation that sampled.
   8. The per-token objective: the clipped ratio (per token, or per sequence: GSPO) or cispo's
-     capped-weight REINFORCE, times an optional tis/mis mismatch weight, + beta k3 KL.
+     capped-weight REINFORCE, + beta k3 KL.
   9. Normalization: grpo, bnpo, dr_grpo, dapo (cispo: dapo's).
   10-11. Entropy: logged without a graph; an optional bonus whose adaptive coefficient is one
      world number, set after the update for the next step.
@@ -100,10 +100,6 @@ class Args:
     top_k: int = opt(0, "top-k sampling; 0: off")
     mask_truncated_completions: int = opt(0, "1: completions that never emit EOS get a zero mask",
                                           choices=(0, 1))
-    sampling_replay: int = opt(1, "1: with top-p/top-k, policy, old and reference log-probs (the "
-                               "ratio, the KL) are scored under the truncation that sampled, each "
-                               "model truncating its own logits; 0: under the full distribution "
-                               "(the entropy's either way)", choices=(0, 1))
     # objective
     beta: float = opt(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
     epsilon: float = opt(0.2, "lower clip: ratio >= 1 - epsilon")
@@ -112,11 +108,6 @@ class Args:
                               "rollout")
     scale_rewards: str = opt("group", "advantage divisor: group std, batch std or none",
                              choices=("group", "batch", "none"))
-    is_correction: str = opt("none", "sampler/trainer mismatch: tis weighs a token's policy term "
-                             "by min(rho, is_cap), mis drops it if rho is outside [1/is_cap, "
-                             "is_cap]; rho = exp(trainer - sampler logp)",
-                             choices=("none", "tis", "mis"))
-    is_cap: float = opt(2.0, "C of --is_correction (> 1)")
     importance_sampling_level: str = opt("token", "the ratio: per token, or per sequence, exp("
                                          "its tokens' mean of logp - old) (GSPO; for grpo, not "
                                          "cispo)", choices=("token", "sequence"))
@@ -304,7 +295,6 @@ def grpo_step(args, run, rows, state):
                 ref_logps=None if ref_logps is None else ref_logps[idx], beta=args.beta,
                 max_gen_len=args.max_gen_len, num_items=num_items, world_size=run.world,
                 entropy=entropy, entropy_coef=alpha, accum_steps=S, step_rows=len(rows),
-                is_weight=importance_weights(torch.exp(gaps[-1]), args.is_correction, args.is_cap),
                 importance_sampling_level=args.importance_sampling_level)
             # 12. MoE: the router's load-balancing loss, times the config's coefficient
             if aux is not None:
@@ -494,10 +484,8 @@ def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept, most_
 
 
 def scored_distribution(args):
-    """The distribution scored: the sampler's (replay: its truncation), or the full tempered one."""
-    replay = args.sampling_replay
-    return dict(temperature=args.temperature, top_k=args.top_k if replay else 0,
-                top_p=args.top_p if replay else 1.0)
+    """The distribution scored (the ratio, the KL): the sampler's temperature and truncation."""
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
@@ -619,29 +607,17 @@ def entropy_from_logits(logits):
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)   # without V
 
 
-# --- Stages 8-9. The objective, the mismatch correction, the normalization ------------------------
-def importance_weights(ratio, kind, cap):
-    # the sampler drew o from pi_sampler, the loss scores pi_trainer: per token
-    #   rho = exp(logp_trainer - logp_sampler)
-    #   tis (truncated importance sampling): w = min(rho, C)
-    #   mis (masked importance sampling):    w = 1[1/C <= rho <= C]
-    if kind == "tis":
-        return torch.clamp(ratio, max=cap)
-    if kind == "mis":
-        return ((ratio >= 1 / cap) & (ratio <= cap)).to(ratio.dtype)
-    return None
-
-
+# --- Stages 8-9. The objective and its normalization ---------------------------------------------
 def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high,
               ref_logps=None, beta=0.0, max_gen_len=None, num_items=None, world_size=1,
-              entropy=None, entropy_coef=0.0, accum_steps=1, step_rows=None, is_weight=None,
+              entropy=None, entropy_coef=0.0, accum_steps=1, step_rows=None,
               importance_sampling_level="token"):
-    """logps/old_logps/ref_logps/mask/entropy/is_weight: [rows, T]; advantages: [rows]. Returns
-    (loss, stats). old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy.
-    is_weight: a detached per-token weight of the policy term (importance_weights). step_rows:
-    grpo's and dr_grpo's row count (aggregate). importance_sampling_level "sequence" (GSPO): one
-    ratio s_i per sequence, clipped and applied to each of its tokens (meant for grpo, refused for
-    cispo); clip_ratio counts masked tokens either way: a clipped sequence counts all its tokens."""
+    """logps/old_logps/ref_logps/mask/entropy: [rows, T]; advantages: [rows]. Returns (loss,
+    stats). old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy.
+    step_rows: grpo's and dr_grpo's row count (aggregate). importance_sampling_level "sequence"
+    (GSPO): one ratio s_i per sequence, clipped and applied to each of its tokens (meant for grpo,
+    refused for cispo); clip_ratio counts masked tokens either way: a clipped sequence counts all
+    its tokens."""
     assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) has zero gradient"
     mask = mask.to(logps.dtype)
     A = advantages.to(logps.dtype).unsqueeze(1)                                   # [rows, 1]
@@ -661,9 +637,6 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
         # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
         pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
         clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
-    if is_weight is not None:
-        assert not is_weight.requires_grad, "the importance weight is a constant: sg(w)"
-        pg = is_weight * pg                                                       # L <- sg(w) * L
     per_token = pg  # the policy-gradient term; the KL and entropy terms join it below
     norm = dict(loss_type=loss_type, max_gen_len=max_gen_len, num_items=num_items,
                 world_size=world_size, accum_steps=accum_steps, step_rows=step_rows)
@@ -858,13 +831,9 @@ def check_args(a):
         (a.epsilon_high >= 0 or a.epsilon_high == -1.0,
          f"--epsilon_high must be >= 0 (or -1: default), got {a.epsilon_high}"),
         (0 < a.top_p <= 1, f"--top_p must be in (0, 1], got {a.top_p}"),
-        (a.is_cap > 1, f"--is_cap must be > 1, got {a.is_cap}"),
         (a.importance_sampling_level == "token" or a.loss_type != "cispo",
          "--importance_sampling_level sequence is GSPO's clipped ratio; cispo's weight is per "
          "token (as in TRL): use --loss_type grpo"),
-        (a.importance_sampling_level == "token" or a.is_correction == "none",
-         "--importance_sampling_level sequence with --is_correction: a token's weight would not "
-         "stop its gradient, which reaches it through the sequence's ratio; use one or the other"),
         (not (a.cast_lm_head_to_fp32 and a.fsdp), "--cast_lm_head_to_fp32 1 with --fsdp 1: FSDP "
          "gathers the lm_head in --dtype, so it would not be an fp32 head; use DDP (--fsdp 0)"),
         (a.entropy_coef_min <= a.entropy_coef_max, f"--entropy_coef_min {a.entropy_coef_min} "
