@@ -150,8 +150,6 @@ FLAGS = {
                    and config(f).top_p == 1.0)],
     "top_k": [step(1, lambda d, f: sampler(f).top_k == 1 and sampler(d).top_k == 0 and tokens_differ(d, f)
                    and config(f).top_k == config(d).top_k == 0)],
-    "sampling_replay": [step(0, lambda d, f: f.record["is_ratio_max"] < 0.999 < d.record["is_ratio_min"],
-                             top_p=0.5)],  # off: the full distribution is scored, rho = kept mass < 1
     "mask_truncated_completions": [step(1, lambda d, f: d.record["truncated_frac"] > 0
                                         and f.record["loss"] != d.record["loss"])],
     # objective
@@ -162,10 +160,6 @@ FLAGS = {
                           learning_rate=1e-3)],
     "num_iterations": [step(2, update_differs)],
     "scale_rewards": [step(choice, differs("advantage_std")) for choice in ("batch", "none")],
-    # a planted mismatch: top-p sampled, the full distribution scored (rho = the kept mass, in [0.5, 1])
-    "is_correction": [step(choice, update_differs, top_p=0.5, sampling_replay=0, is_cap=1.2)
-                      for choice in ("tis", "mis")],
-    "is_cap": [step(1.05, update_differs, top_p=0.5, sampling_replay=0, is_correction="mis")],
     # GSPO: with mu = 2 the second update's ratios differ from 1; one per sequence is another update
     "importance_sampling_level": [step("sequence", lambda d, f: update_differs(d, f)
                                        and f.record["clip_ratio"] != d.record["clip_ratio"],

@@ -12,7 +12,7 @@ DEFINED = {n.name: n.lineno for n in ast.parse(SOURCE).body if isinstance(n, (as
 
 ALGORITHM = ["Args", "default_epsilon_high", "tokenize_prompts", "rollout", "completion_mask", "compute_rewards",
              "compute_advantages", "selective_log_softmax", "entropy_from_logits", "completion_logps",
-             "chunked_logps", "top_k_top_p_filter", "grpo_loss", "aggregate", "importance_weights",
+             "chunked_logps", "top_k_top_p_filter", "grpo_loss", "aggregate",
              "update_entropy_coef", "world_mean", "grpo_step",
              "train", "frozen_copy"]
 PLUMBING = ["call_reward", "check_args", "parse_args", "load_task", "load_rows", "load_reward_funcs", "load_model_and_tokenizer",

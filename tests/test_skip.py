@@ -54,10 +54,10 @@ def assert_same_update(on, off):
     ("grpo", ()), ("dr_grpo", ()), ("dapo", ()), ("cispo", ()),
     ("grpo", ("--micro_batch_size", "4")),                       # kept rows regrouped over fewer micro-steps
     ("dr_grpo", ("--num_iterations", "2", "--micro_batch_size", "8")),   # old log-probs of the kept rows only
-    # with the other options that touch the loss: GSPO, truncated completions masked, mu = 2; tis, batch std
+    # with the other options that touch the loss: GSPO, truncated completions masked, mu = 2; top_p, batch std
     ("grpo", ("--importance_sampling_level", "sequence", "--mask_truncated_completions", "1",
               "--num_iterations", "2", "--max_gen_len", "3")),
-    ("dapo", ("--is_correction", "mis", "--top_p", "0.9", "--sampling_replay", "0", "--scale_rewards", "batch")),
+    ("dapo", ("--top_p", "0.9", "--scale_rewards", "batch")),
 ])
 def test_skipping_gives_the_update_without_skipping(tmp_path, loss_type, extra):
     flags = ["--loss_type", loss_type, "--max_steps", "4", *extra]

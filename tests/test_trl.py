@@ -221,5 +221,3 @@ def test_what_this_trainer_does_not_pass_is_refused_before_any_work(tmp_path):
                                    "    return [float(trainer_state.global_step) for _ in completions]\n")
     with pytest.raises(tg.TrainerError, match="takes trainer_state, which TRL 1.x passes and this trainer does not"):
         tg.load_reward_funcs(f"{tmp_path / 'r.py'}:curriculum")
-    problems = list(tg.check_args(tg.Args(importance_sampling_level="sequence", is_correction="mis")))
-    assert len(problems) == 1 and "--importance_sampling_level sequence with --is_correction" in problems[0]
