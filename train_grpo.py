@@ -319,9 +319,9 @@ def grpo_step(args, run, rows, state):
                          ("clip", stats["clip_ratio"] * tokens),
                          ("entropy_sum", (entropy.detach() * mask[idx]).sum())):
                 totals[k] += float(v)
-        if S == 0:  # AdamW steps as it would after backward on rows with A = 0: on zero gradients
-            for p in policy.parameters():
-                p.grad = torch.zeros_like(p) if p.requires_grad else None
+        if S == 0:  # AdamW steps as after backward on rows with A = 0: on (scaled) zero gradients
+            for p in policy.parameters():  # fp16: scale() also creates the scale unscale_ reads
+                p.grad = run.scaler.scale(torch.zeros_like(p)) if p.requires_grad else None
         if it == 0:  # the policy that sampled: its entropy and its mismatch with the sampler
             first = dict(totals, gap=torch.cat(gaps), gap_mask=torch.cat(gap_masks))  # [trained, T]
         # 13. unscale (fp16), clip the global grad norm, AdamW; a step whose loss or grad norm is
