@@ -205,7 +205,7 @@ class TrainState:
     next_alpha: float = 0.0            # alpha: the bonus coefficient the next step's loss applies
     world_entropy: float = float("nan")  # of the rows trained on (all of them when adaptive)
     skipped_steps: int = 0             # optimizer updates skipped (loss or grad norm not finite)
-    bad_in_a_row: int = 0              # skips in a row the loss scale could not cure
+    bad_in_a_row: int = 0              # steps in a row with a skip the loss scale could not cure
     truncated_prompts: int = 0         # prompts left-truncated so far, all ranks
 
 
@@ -269,6 +269,7 @@ def grpo_step(args, run, rows, state):
     micro = args.micro_batch_size or auto_micro_batch(len(rows), widest, args)
     S = math.ceil(most_kept / micro)
     alpha, applied = state.next_alpha, False   # alpha: set after the previous step
+    in_a_row, state.bad_in_a_row = state.bad_in_a_row, 0  # steps: any bad update fails this one
 
     for it in range(args.num_iterations):  # mu updates per rollout
         totals = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
@@ -328,13 +329,12 @@ def grpo_step(args, run, rows, state):
         # not finite on any rank is skipped on every rank (update_is_finite: a world decision)
         run.scaler.unscale_(run.optimizer)  # the true loss's gradients: the clip sees real values
         grad_norm = clip_grad_norm(policy, args.grad_clip)  # FSDP: over every rank's shard
-        if update_is_finite(run.scaler, state, totals["loss"], grad_norm, run.device):
+        if update_is_finite(run.scaler, state, totals["loss"], grad_norm, run.device, in_a_row):
             run.scaler.step(run.optimizer)  # optimizer.step(), the gradients unscaled
             run.scaler.update()
             applied = True
         run.optimizer.zero_grad(set_to_none=True)
-    # 13. the schedule moves once per step that applied an update (a skipped one leaves it)
-    if applied:
+    if applied:  # 13. the schedule moves once per step that applied an update (not a skipped one)
         run.scheduler.step()
 
     # 11, after the update: the next step's alpha from one world entropy (a sum and a count, of
@@ -1355,7 +1355,8 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         grad_norm = clip_grad_norm(unwrap(model), 1.0)
-        if update_is_finite(scaler, state, loss.item(), grad_norm, device):
+        in_a_row, state.bad_in_a_row = state.bad_in_a_row, 0  # as in a GRPO step (one update)
+        if update_is_finite(scaler, state, loss.item(), grad_norm, device, in_a_row):
             scaler.step(opt)
             scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -1641,20 +1642,20 @@ def sync_gradients(model, on):
         model.set_requires_gradient_sync(on)
 
 
-def update_is_finite(scaler, state, loss, grad_norm, device="cpu"):
+def update_is_finite(scaler, state, loss, grad_norm, device, in_a_row):
     """Stage 13's world decision: True when no rank's loss or grad norm is inf or NaN (the caller
     then steps AdamW). A skip is counted in state.skipped_steps (updates: mu per step), and under
     fp16 halves the scaler's scale on every rank. An overflow the scale can still cure is the
-    scaler's normal work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, counts toward the
-    stop after 3 in a row (state.bad_in_a_row, counted per update)."""
+    scaler's normal work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, makes this step a
+    failing one: state.bad_in_a_row = in_a_row (failing steps right before it) + 1, however many
+    of its updates fail (the caller sets it to 0 as the step starts)."""
     bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
                                    device=device)
     if bad_loss + bad_norm == 0:
-        state.bad_in_a_row = 0
         return True
     state.skipped_steps += 1
     if bad_loss or not (scaler.is_enabled() and scaler.get_scale() > MIN_LOSS_SCALE):
-        state.bad_in_a_row += 1
+        state.bad_in_a_row = in_a_row + 1
     if scaler.is_enabled():
         # fp16: every rank halves its scale alike (its own check may have seen no inf), down to
         # MIN_LOSS_SCALE, and restarts GradScaler's count of 2,000 good steps in a row to double
