@@ -1334,6 +1334,10 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
     """Built-in task only: supervised steps (teacher forcing) so the tiny model earns some reward,
     batch_size rows per step however many ranks share them (torchrun starts from the one-process
     run's warm start). The GRPO update's rule: fp16 loss scaling, clip at 1, skips by all ranks."""
+    if args.batch_size < world:  # a rank with no row would have no loss (and DDP no gradient)
+        raise TrainerError(f"the supervised warm-up shares --batch_size {args.batch_size} rows "
+                           f"among {world} ranks, one at least each: use --batch_size >= {world} "
+                           "or --sft_warmup_steps 0")
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
     scaler = loss_scaler(args.dtype, device)
     state, rng = TrainState(), random.Random(args.seed + 7)
@@ -1349,7 +1353,8 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
             logps, _, aux = completion_logps(
                 model, torch.cat([ids, target], 1), torch.cat([am, torch.ones_like(target)], 1),
                 target.shape[1], chunk_size=args.logp_chunk_size, with_entropy=False)
-        loss = -logps.mean()
+        # the whole batch's token mean however it is split (DDP averages; answers: equal length)
+        loss = -logps.sum() * world / (args.batch_size * target.shape[1])
         if aux is not None:
             loss = loss + aux * unwrap(model).config.router_aux_loss_coef
         scaler.scale(loss).backward()
