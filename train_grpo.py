@@ -196,7 +196,7 @@ class TrainState:
     next_alpha: float = 0.0            # alpha: the bonus coefficient the next step's loss applies
     world_entropy: float = float("nan")  # of the rows trained on (all of them when adaptive)
     skipped_steps: int = 0             # optimizer updates skipped (loss or grad norm not finite)
-    bad_in_a_row: int = 0              # skips in a row the loss scale could not cure
+    bad_in_a_row: int = 0              # steps in a row with a skip the loss scale could not cure
     truncated_prompts: int = 0         # prompts left-truncated so far, all ranks
 
 
@@ -260,6 +260,7 @@ def grpo_step(args, run, rows, state):
     micro = args.micro_batch_size or auto_micro_batch(len(rows), widest, args)
     S = math.ceil(most_kept / micro)
     alpha, applied = state.next_alpha, False   # alpha: set after the previous step
+    in_a_row, state.bad_in_a_row = state.bad_in_a_row, 0  # steps: any bad update fails this one
 
     for it in range(args.num_iterations):  # mu updates per rollout
         totals = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
@@ -309,22 +310,21 @@ def grpo_step(args, run, rows, state):
                          ("clip", stats["clip_ratio"] * tokens),
                          ("entropy_sum", (entropy.detach() * mask[idx]).sum())):
                 totals[k] += float(v)
-        if S == 0:  # AdamW steps as it would after backward on rows with A = 0: on zero gradients
-            for p in policy.parameters():
-                p.grad = torch.zeros_like(p) if p.requires_grad else None
+        if S == 0:  # AdamW steps as after backward on rows with A = 0: on (scaled) zero gradients
+            for p in policy.parameters():  # fp16: scale() also creates the scale unscale_ reads
+                p.grad = run.scaler.scale(torch.zeros_like(p)) if p.requires_grad else None
         if it == 0:  # the policy that sampled: its entropy and its mismatch with the sampler
             first = dict(totals, gap=torch.cat(gaps), gap_mask=torch.cat(gap_masks))  # [trained, T]
         # 13. unscale (fp16), clip the global grad norm, AdamW; a step whose loss or grad norm is
         # not finite on any rank is skipped on every rank (update_is_finite: a world decision)
         run.scaler.unscale_(run.optimizer)  # the true loss's gradients: the clip sees real values
         grad_norm = clip_grad_norm(policy, args.grad_clip)  # FSDP: over every rank's shard
-        if update_is_finite(run.scaler, state, totals["loss"], grad_norm, run.device):
+        if update_is_finite(run.scaler, state, totals["loss"], grad_norm, run.device, in_a_row):
             run.scaler.step(run.optimizer)  # optimizer.step(), the gradients unscaled
             run.scaler.update()
             applied = True
         run.optimizer.zero_grad(set_to_none=True)
-    # 13. the schedule moves once per step that applied an update (a skipped one leaves it)
-    if applied:
+    if applied:  # 13. the schedule moves once per step that applied an update (not a skipped one)
         run.scheduler.step()
 
     # 11, after the update: the next step's alpha from one world entropy (a sum and a count, of
@@ -1303,6 +1303,10 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
     """Built-in task only: supervised steps (teacher forcing) so the tiny model earns some reward,
     batch_size rows per step however many ranks share them (torchrun starts from the one-process
     run's warm start). The GRPO update's rule: fp16 loss scaling, clip at 1, skips by all ranks."""
+    if args.batch_size < world:  # a rank with no row would have no loss (and DDP no gradient)
+        raise TrainerError(f"the supervised warm-up shares --batch_size {args.batch_size} rows "
+                           f"among {world} ranks, one at least each: use --batch_size >= {world} "
+                           "or --sft_warmup_steps 0")
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
     scaler = loss_scaler(args.dtype, device)
     state, rng = TrainState(), random.Random(args.seed + 7)
@@ -1318,13 +1322,15 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
             logps, _, aux = completion_logps(
                 model, torch.cat([ids, target], 1), torch.cat([am, torch.ones_like(target)], 1),
                 target.shape[1], chunk_size=args.logp_chunk_size, with_entropy=False)
-        loss = -logps.mean()
+        # the whole batch's token mean however it is split (DDP averages; answers: equal length)
+        loss = -logps.sum() * world / (args.batch_size * target.shape[1])
         if aux is not None:
             loss = loss + aux * unwrap(model).config.router_aux_loss_coef
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         grad_norm = clip_grad_norm(unwrap(model), 1.0)
-        if update_is_finite(scaler, state, loss.item(), grad_norm, device):
+        in_a_row, state.bad_in_a_row = state.bad_in_a_row, 0  # as in a GRPO step (one update)
+        if update_is_finite(scaler, state, loss.item(), grad_norm, device, in_a_row):
             scaler.step(opt)
             scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -1610,20 +1616,20 @@ def sync_gradients(model, on):
         model.set_requires_gradient_sync(on)
 
 
-def update_is_finite(scaler, state, loss, grad_norm, device="cpu"):
+def update_is_finite(scaler, state, loss, grad_norm, device, in_a_row):
     """Stage 13's world decision: True when no rank's loss or grad norm is inf or NaN (the caller
     then steps AdamW). A skip is counted in state.skipped_steps (updates: mu per step), and under
     fp16 halves the scaler's scale on every rank. An overflow the scale can still cure is the
-    scaler's normal work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, counts toward the
-    stop after 3 in a row (state.bad_in_a_row, counted per update)."""
+    scaler's normal work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, makes this step a
+    failing one: state.bad_in_a_row = in_a_row (failing steps right before it) + 1, however many
+    of its updates fail (the caller sets it to 0 as the step starts)."""
     bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
                                    device=device)
     if bad_loss + bad_norm == 0:
-        state.bad_in_a_row = 0
         return True
     state.skipped_steps += 1
     if bad_loss or not (scaler.is_enabled() and scaler.get_scale() > MIN_LOSS_SCALE):
-        state.bad_in_a_row += 1
+        state.bad_in_a_row = in_a_row + 1
     if scaler.is_enabled():
         # fp16: every rank halves its scale alike (its own check may have seen no inf), down to
         # MIN_LOSS_SCALE, and restarts GradScaler's count of 2,000 good steps in a row to double

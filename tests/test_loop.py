@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import FAST, spawn, tg, tiny
+from helpers import FAST, run_cli, spawn, tg, tiny
 import dist_workers
 
 
@@ -141,3 +141,52 @@ def test_two_ranks_with_micro_steps_equal_one_process_on_the_combined_batch(tmp_
             for p in parts:
                 torch.testing.assert_close(p["grads"][name], param.grad, rtol=1e-4, atol=1e-6,
                                            msg=lambda m: f"{loss_type} {name}: {m}")
+
+
+def warm_up_grads(rank, world, out_dir):
+    """One supervised warm-up step of --batch_size 3 on 2 ranks: the prompts this rank took and the gradient
+    the clip saw (after DDP's all-reduce)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.distributed.init_process_group("gloo")
+    model, tok = tiny()
+    seen, real_tokenize, real_clip = {}, tg.tokenize_prompts, tg.clip_grad_norm
+
+    def tokenize(tok, prompts, *a, **k):
+        seen["prompts"] = prompts
+        return real_tokenize(tok, prompts, *a, **k)
+
+    def clip(m, max_norm):
+        seen["grads"] = {n: p.grad.clone() for n, p in m.named_parameters()}
+        return real_clip(m, max_norm)
+    tg.tokenize_prompts, tg.clip_grad_norm = tokenize, clip
+    args = tg.parse_args(["--sft_warmup_steps", "1", "--batch_size", "3"])
+    tg.sft_warmup(DDP(model), tok, tg.make_reverse_task(16)[0], args, "cpu", rank, world)
+    torch.save(seen, f"{out_dir}/warm{rank}.pt")
+    dist_workers.close_group()
+
+
+def test_two_ranks_warm_up_on_an_uneven_split_takes_the_mean_over_the_whole_batch(tmp_path):
+    spawn(warm_up_grads, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"warm{r}.pt", weights_only=True) for r in (0, 1)]
+    assert [len(r["prompts"]) for r in ranks] == [2, 1]                       # 3 rows: 2 and 1
+    model, tok = tiny()
+    prompts = ranks[0]["prompts"] + ranks[1]["prompts"]
+    ids, am, _ = tg.tokenize_prompts(tok, prompts, 64, "cpu")
+    # teacher forcing on answer + EOS (the answer: the prompt before "=", reversed); -mean of its log-probs
+    target = torch.tensor([tok(p[:-1][::-1], add_special_tokens=False).input_ids + [tok.eos_token_id]
+                           for p in prompts])
+    z = full_forward(model, ids, am, target, torch.ones_like(target))
+    (-torch.log_softmax(z, -1).gather(-1, target[..., None]).mean()).backward()
+    for name, param in model.named_parameters():
+        for r in ranks:
+            torch.testing.assert_close(r["grads"][name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_two_ranks_warm_up_with_fewer_rows_than_ranks_refuses_in_one_line(tmp_path):
+    res = run_cli(*FAST, "--batch_size", "1", "--sft_warmup_steps", "2", "--max_steps", "1", "--save_dir", tmp_path,
+                  nproc=2, timeout=120)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert res.returncode == 1 and 1 <= len(errors) <= 2, res.stderr[-3000:]   # torchrun may stop a rank first
+    assert set(errors) == {"error: the supervised warm-up shares --batch_size 1 rows among 2 ranks, one at "
+                           "least each: use --batch_size >= 2 or --sft_warmup_steps 0"}
+    assert 'train_grpo.py", line' not in res.stderr                            # no traceback of the trainer

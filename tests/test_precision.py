@@ -183,10 +183,10 @@ def test_a_skip_counts_toward_the_stop_when_the_loss_scale_cannot_cure_it(fp16, 
         p.grad = torch.ones_like(p)
     if inf_grad:
         next(model.parameters()).grad.view(-1)[0] = torch.inf
-    state = tg.TrainState(bad_in_a_row=1)
+    state = tg.TrainState()                         # bad_in_a_row 0: the step sets it so as it starts
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)     # as step 13 computes it
-    assert tg.update_is_finite(run.scaler, state, loss, grad_norm) is False         # the step is skipped
-    assert state.skipped_steps == 1 and state.bad_in_a_row == 1 + counts
+    assert tg.update_is_finite(run.scaler, state, loss, grad_norm, "cpu", 1) is False  # skipped; 1 before
+    assert state.skipped_steps == 1 and state.bad_in_a_row == (2 if counts else 0)
     if fp16:
         assert run.scaler.get_scale() == scale_after
 
@@ -198,3 +198,24 @@ def test_a_warm_up_that_cannot_step_stops_in_one_line():
     args = tg.parse_args(["--sft_warmup_steps", "6", "--batch_size", "4"])
     with pytest.raises(tg.TrainerError, match="supervised warm-up: loss or grad norm not finite for 3 steps"):
         tg.sft_warmup(model, tok, tg.make_reverse_task(16)[0], args, torch.device("cpu"), 0, 1)
+
+
+def test_the_stop_counts_failing_steps_not_the_updates_of_one_step(tmp_path, monkeypatch):
+    """mu = 3 updates per step, one micro-batch each (one grpo_loss call per update; no row skipped). A step
+    fails once, whichever and however many of its updates had a non-finite loss; a step without one ends the
+    run of failures; the third failing step in a row stops the run."""
+    bad = {(1, 1), (2, 0), (4, 0), (4, 1), (4, 2), (5, 2), (6, 0)}           # (step, update): a NaN loss
+    calls, real = [0], tg.grpo_loss
+
+    def nan_loss(*a, **k):
+        step, update = divmod(calls[0], 3)
+        calls[0] += 1
+        loss, stats = real(*a, **k)
+        return (loss * float("nan") if (step + 1, update) in bad else loss), stats
+    monkeypatch.setattr(tg, "grpo_loss", nan_loss)
+    with pytest.raises(tg.TrainerError, match=r"^step 6: loss not finite, .* for 3 steps in a row"):
+        tg.main(FAST + ["--num_iterations", "3", "--skip_zero_advantage_rows", "0", "--max_steps", "8",
+                        "--save_dir", str(tmp_path)])
+    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]         # steps 1-5: step 6 stopped
+    assert [r["skipped_steps_in_a_row"] for r in rows] == [1, 2, 0, 1, 2]
+    assert [r["skipped_steps"] for r in rows] == [1, 2, 2, 5, 6]              # updates skipped, in all

@@ -83,13 +83,25 @@ def test_skipping_is_off_where_a_zero_advantage_row_has_a_gradient(tmp_path):
         assert records[0]["frac_reward_zero_std"] > 0, flags   # there were rows to skip
 
 
-def test_a_step_where_every_group_ties_trains_nothing_and_adamw_steps_on_zero_gradients(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_step_where_every_group_ties_trains_nothing_and_adamw_steps_on_zero_gradients(tmp_path, dtype):
+    """fp16: the step still goes through the loss scaler, whose first use creates its scale, in a fresh run
+    and in a resumed process's first update alike; with or without skipping, the same run."""
     wd, lr, steps = 0.5, 1e-2, 2
-    flags = ["--max_steps", steps, "--weight_decay", wd, "--learning_rate", lr, "--warmup_steps", 1]
+    flags = ["--max_steps", steps, "--weight_decay", wd, "--learning_rate", lr, "--warmup_steps", 1,
+             "--dtype", dtype]
     on = run(tmp_path, "on", 1, *flags, reward="always_one")
     off = run(tmp_path, "off", 0, *flags, reward="always_one")
-    assert on[2] == [] and len(off[2]) == steps                 # no forward with a graph at all
-    assert all(r["rows_trained"] == 0 and "entropy" not in r and r["grad_norm"] == 0 for r in on[1])
+    run(tmp_path, "cut", 1, *flags, "--stop_after", 1, reward="always_one")
+    cut = run(tmp_path, "cut", 1, *flags, "--resume", "auto", reward="always_one")
+    assert on[2] == [] == cut[2] and len(off[2]) == steps       # no forward with a graph at all
+    assert all(r["rows_trained"] == 0 and "entropy" not in r and r["grad_norm"] == 0 for r in on[1] + cut[1])
+    # every metric the skipping run logs, the others log alike (entropy, clip ratio, mismatch: of trained tokens)
+    vary = {"rows_trained", "step_time", "generate_time", "generate_share", "tokens_per_s", "peak_mem_gib"}
+    assert ("loss_scale" in on[1][0]) == (dtype == "float16") and len(on[1]) == len(cut[1]) == steps
+    for a, b, c in zip(on[1], off[1], cut[1]):
+        assert {k: v for k, v in a.items() if k not in vary} == {k: b[k] for k in a if k not in vary} \
+            == {k: c[k] for k in a if k not in vary}
     # independent: AdamW on zero gradients moves each weight by weight decay alone, p <- p (1 - lr_k wd),
     # and the schedule advances: warm-up lr / 2, then lr
     torch.manual_seed(0)
@@ -97,7 +109,7 @@ def test_a_step_where_every_group_ties_trains_nothing_and_adamw_steps_on_zero_gr
     for k in start:
         want = start[k] * (1 - lr / 2 * wd) * (1 - lr * wd)
         torch.testing.assert_close(on[0][k], want, msg=k)
-        torch.testing.assert_close(off[0][k], want, msg=k)
+        assert torch.equal(off[0][k], on[0][k]) and torch.equal(cut[0][k], on[0][k]), k
 
 
 # ---- two ranks ----
