@@ -903,7 +903,6 @@ def check_args(a):
 
 
 def check_paths(a):
-    """A local model dir must hold a config and weights; a local dataset must be a file."""
     name, path = a.model_name_or_path, os.path.expanduser(a.model_name_or_path)
     flag, data = f"--model_name_or_path {name}", os.path.expanduser(a.dataset)
     if path.endswith(".gguf"):
@@ -968,25 +967,21 @@ def parse_number(text):
     return -Fraction(digits) if t.startswith("-") else Fraction(digits)
 
 
-def extract_final_answer(completion):
-    """The last tagged '#### N' (or \\boxed{N}, 'answer is N') wins; else the last number."""
-    for pattern in (r"####\s*(" + _NUMBER + ")", r"\\boxed\{\s*(" + _NUMBER + r")\s*\}",
-                    r"answer is[:\s]*(" + _NUMBER + ")", _NUMBER):
-        found = re.findall(pattern, completion, flags=re.IGNORECASE)
-        if found:
-            return parse_number(found[-1])
-    return None
-
-
 def gsm8k_reference(answer):
     """GSM8K's worked answer ends with '#### N'; a bare number is accepted too."""
     return parse_number(str(answer).split("####")[-1])
 
 
 def gsm8k_correct_reward(completion, answer):
-    # 1.0 if the completion's final answer equals the reference number, else 0.0
-    predicted, reference = extract_final_answer(completion), gsm8k_reference(answer)
-    return float(predicted is not None and predicted == reference)
+    # 1.0 if the completion's final answer equals the reference number, else 0.0. Its final answer:
+    # the last tagged '#### N' (or \boxed{N}, 'answer is N'), else its last number
+    for pattern in (r"####\s*(" + _NUMBER + ")", r"\\boxed\{\s*(" + _NUMBER + r")\s*\}",
+                    r"answer is[:\s]*(" + _NUMBER + ")", _NUMBER):
+        found = re.findall(pattern, completion, flags=re.IGNORECASE)
+        if found:
+            predicted = parse_number(found[-1])
+            return float(predicted is not None and predicted == gsm8k_reference(answer))
+    return 0.0
 
 
 def gsm8k_format_reward(completion, answer):
@@ -1002,9 +997,8 @@ COMPARE_NUMBERS = "compare_numbers"
 
 def make_compare_task(eval_size, seed=1234):
     """Held out: the first eval_size pairs of a seeded shuffle, in neither order trained on."""
-    rng = random.Random(seed)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
-    rng.shuffle(pairs)
+    random.Random(seed).shuffle(pairs)
     held_out = {frozenset(p) for p in pairs[:eval_size]}
     trained = [p for p in pairs[eval_size:] if frozenset(p) not in held_out]
     question = "Which number is larger, {} or {}? Answer with the number only."
@@ -1039,14 +1033,7 @@ def load_reward_funcs(spec):
     fns = []
     for item in spec.split(","):
         path, _, name = item.strip().rpartition(":")
-        if not path:
-            fn = globals().get(name)
-            if not name.endswith("_reward") or not callable(fn):
-                raise TrainerError(f"--reward_funcs {item}: no reward function {name!r} in "
-                                   "train_grpo.py; write file.py:name for your own")
-        elif not os.path.isfile(path):
-            raise TrainerError(f"--reward_funcs {item}: no such file {path}")
-        else:
+        if path:  # check_args has made sure the file exists
             try:
                 spec_ = importlib.util.spec_from_file_location(f"reward_{len(fns)}", path)
                 module = importlib.util.module_from_spec(spec_)
@@ -1054,9 +1041,13 @@ def load_reward_funcs(spec):
             except Exception as e:
                 raise TrainerError(f"--reward_funcs {item}: importing {path} failed "
                                    f"({one_line(e)})") from None
-            fn = getattr(module, name, None)
-            if not callable(fn):
-                raise TrainerError(f"--reward_funcs {item}: {path} has no function {name!r}")
+            functions = vars(module)
+        else:
+            functions = {k: v for k, v in globals().items() if k.endswith("_reward")}
+        fn = functions.get(name)
+        if not callable(fn):
+            where = path or "train_grpo.py's *_reward functions (file.py:name for your own)"
+            raise TrainerError(f"--reward_funcs {item}: no function {name!r} in {where}")
         extras = set(inspect.signature(fn).parameters) & {"trainer_state", "log_metric",
                                                            "log_extra"}
         if extras:
@@ -1071,7 +1062,6 @@ DATASET_PROMPT = "_dataset_prompt"
 
 
 def load_rows(args):
-    """(train, eval) rows: compare_numbers', a local .jsonl/.json/.parquet's or a hub dataset's."""
     import datasets
     name, path = args.dataset, os.path.expanduser(args.dataset)
     if name == COMPARE_NUMBERS:
@@ -1104,7 +1094,7 @@ def load_rows(args):
     if "train" in splits and "test" in splits:
         return rows, [dict(r) for r in splits["test"]][:args.eval_size]
     # one split only (a file, a test-only set): its first rows, at most a tenth, are held out
-    n_eval = min(args.eval_size, len(rows) // 10) if len(rows) >= 10 else 0
+    n_eval = min(args.eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
 
 
