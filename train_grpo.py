@@ -1198,31 +1198,27 @@ def is_moe(model):
 
 
 def load_model_and_tokenizer(args, device):
-    """The built-in tiny model and character tokenizer, or --model_name_or_path's."""
     if not args.model_name_or_path:
         tokenizer = build_char_tokenizer(REVERSE_ALPHABET + "=")
         model = build_tiny_model(len(tokenizer), args.use_moe, tokenizer)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        name, remote = args.model_name_or_path, bool(args.trust_remote_code)
-        where, gguf = name, {}
+        name = where = args.model_name_or_path
+        kwargs = {"trust_remote_code": bool(args.trust_remote_code)}
         if name.endswith(".gguf"):  # transformers reads weights, tokenizer, chat template from it
-            where, file = os.path.split(os.path.abspath(os.path.expanduser(name)))
-            gguf = {"gguf_file": file}
+            where, kwargs["gguf_file"] = os.path.split(os.path.abspath(os.path.expanduser(name)))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=remote, **gguf)
-            model = AutoModelForCausalLM.from_pretrained(
-                where, dtype=torch.float32, trust_remote_code=remote, **gguf)
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
         except Exception as e:  # missing files, offline hub, unknown architecture: one line
             raise TrainerError(f"--model_name_or_path {name}: {one_line(e)}") from None
-        if gguf:
+        if "gguf_file" in kwargs:
             model = plain_model(model)
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         if args.use_moe and not is_moe(model):
-            raise TrainerError(f"--use_moe 1 but {name} is a dense model "
-                               f"({model.config.model_type})")
+            raise TrainerError(f"--use_moe 1 but {name} is a dense {model.config.model_type}")
     model.to(device=device, dtype=torch.float32)  # master weights; --dtype computes (autocast)
     if args.cast_lm_head_to_fp32 and args.dtype != "float32":
         cast_lm_head_to_fp32(model)
@@ -1230,8 +1226,7 @@ def load_model_and_tokenizer(args, device):
     check_output_head(model)
     auto = args.gradient_checkpointing == -1 and args.model_name_or_path
     if args.gradient_checkpointing == 1 or auto:
-        kwargs = {"use_reentrant": False}
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable({"use_reentrant": False})  # checkpoint()'s kwargs
     return model, tokenizer
 
 
