@@ -1700,7 +1700,7 @@ def rng_state():
 
 
 def set_rng_state(state):
-    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    random.setstate(state["python"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
@@ -1766,15 +1766,11 @@ def load_weights(model, ckpt, trust_remote_code=False):
     except Exception as e:
         raise TrainerError(f"checkpoint {ckpt} could not be loaded: {one_line(e)}") from None
     own = model.state_dict()
-    for k, v in saved.items():
-        if k not in own or own[k].shape != v.shape:
-            theirs = tuple(own[k].shape) if k in own else "absent"
-            raise TrainerError(f"checkpoint {ckpt} is from another model shape: {k} is "
-                               f"{tuple(v.shape)} there, {theirs} here")
-    missing = [k for k in own if k not in saved]
-    if missing:
-        raise TrainerError(f"checkpoint {ckpt} is from another model: it lacks {missing[0]} "
-                           f"(and {len(missing) - 1} more)")
+    shape = lambda weights, k: tuple(weights[k].shape) if k in weights else "absent"
+    for k in [*saved, *own]:
+        if shape(saved, k) != shape(own, k):
+            raise TrainerError(f"checkpoint {ckpt} is from another model: {k} is "
+                               f"{shape(saved, k)} there, {shape(own, k)} here")
     if is_fsdp(model):  # each rank keeps its shard of the full tensors
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         set_model_state_dict(model, saved, options=StateDictOptions(full_state_dict=True))
@@ -1828,17 +1824,16 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
     policy, optimizer = unwrap(run.model), run.optimizer
     load_weights(policy, ckpt, trust_remote_code=bool(args.trust_remote_code))
 
-    def load(name, problem=None):  # weights_only: a checkpoint holds data, never code to run
-        if problem and not os.path.isfile(os.path.join(ckpt, name)):
-            raise TrainerError(f"checkpoint {ckpt} {problem}")
+    def load(name, why=""):  # weights_only: a checkpoint holds data, never code to run
+        if not os.path.isfile(os.path.join(ckpt, name)):
+            raise TrainerError(f"checkpoint {ckpt} has no {name}{why}")
         return torch.load(os.path.join(ckpt, name), map_location="cpu", weights_only=True)
     saved = load("trainer_state.pt")
     optimizer_state = saved.pop("optimizer")
     if is_fsdp(policy):  # this rank's shard, its plain tensors DTensors like their parameters again
         from torch.distributed.tensor import DTensor
-        shard = f"optimizer_{rank}.pt"
-        optimizer_state = load(shard, f"has no {shard} (it was written without --fsdp 1, or by "
-                                      "fewer ranks)")
+        optimizer_state = load(f"optimizer_{rank}.pt",
+                               " (it was written without --fsdp 1, or by fewer ranks)")
         params = [p for g in optimizer.param_groups for p in g["params"]]
         for i, st in optimizer_state["state"].items():
             p = params[int(i)]
@@ -1851,13 +1846,12 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
     optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(saved.pop("scheduler"))
     scaler_state = saved.pop("scaler", {})
-    if run.scaler.is_enabled() and scaler_state:
+    if scaler_state:  # {} when written without fp16; a disabled scaler ignores it
         run.scaler.load_state_dict(scaler_state)
     if "entropy_coef_applied" in saved:  # a checkpoint written before the field's rename
         saved["next_alpha"] = saved.pop("entropy_coef_applied")
     state = TrainState(**saved)
-    set_rng_state(load(f"rng_state_{rank}.pt",
-                       f"was written by fewer ranks (no rng_state_{rank}.pt)"))
+    set_rng_state(load(f"rng_state_{rank}.pt", " (it was written by fewer ranks)"))
     if rank == 0:  # keep the log of the steps this checkpoint contains, drop any logged after it
         kept = ([ln for ln in open(metrics_path) if json.loads(ln).get("step", 0) <= state.step]
                 if os.path.exists(metrics_path) else [])
