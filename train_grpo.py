@@ -921,8 +921,7 @@ def check_paths(a):
         elif not [f for f in os.listdir(path) if f.endswith(weights)]:
             yield f"{flag}: no model weights (*.safetensors, *.bin) here"
     if os.path.isdir(data):
-        yield (f"--dataset {a.dataset} is a directory; give a .jsonl/.json/.parquet file or a "
-               "hub name")
+        yield f"--dataset {a.dataset} is a directory: give a .jsonl/.json/.parquet file or hub name"
     elif a.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(data):
         yield f"--dataset {a.dataset}: no such file"
 
@@ -1749,7 +1748,7 @@ def save_pretrained(model, tokenizer, weights, where):
 def find_checkpoint(save_dir):
     done = [p for p in glob.glob(os.path.join(save_dir, "checkpoint-*"))
             if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))]
-    return max(done, key=lambda p: int(p.rsplit("-", 1)[1])) if done else None
+    return max(done, key=lambda p: int(p.rsplit("-", 1)[1]), default=None)
 
 
 def load_weights(model, ckpt, trust_remote_code=False):
@@ -1819,8 +1818,7 @@ def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
 
 
 def resume(args, ckpt, run, scheduler, rank, metrics_path):
-    """Restore weights, optimizer, loss scale, scheduler, loop state and this rank's RNG; trim the
-    log to the checkpoint."""
+    """Restore all a checkpoint holds (this rank's RNG too); trim the log to the checkpoint."""
     policy, optimizer = unwrap(run.model), run.optimizer
     load_weights(policy, ckpt, trust_remote_code=bool(args.trust_remote_code))
 
