@@ -1418,10 +1418,9 @@ def set_up(args, rank, world, device):
         if args.dataset in TASK_DEFAULTS:
             print(f"--dataset {args.dataset} sizes in effect (the task's defaults unless typed): "
                   + ", ".join(f"--{n} {getattr(args, n)}" for n in TASK_DEFAULTS[args.dataset]))
-    if not eval_rows:  # nothing to evaluate
+    if not eval_rows:
         if rank == 0 and args.eval_interval > 0:
-            print("no held-out prompts (an empty test split, or a file of fewer than 10 rows): no "
-                  "evaluation")
+            print("no held-out prompts (an empty test split, or a file under 10 rows): no eval")
         args.eval_interval = 0
     prompt_order = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
                                       shuffle=True, seed=args.seed, drop_last=True)
