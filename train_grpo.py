@@ -872,7 +872,6 @@ def check_args(a):
 
 
 def check_paths(a):
-    """A local model dir must hold a config and weights; a local dataset must be a file."""
     name, path = a.model_name_or_path, os.path.expanduser(a.model_name_or_path)
     flag, data = f"--model_name_or_path {name}", os.path.expanduser(a.dataset)
     if path.endswith(".gguf"):
@@ -891,8 +890,7 @@ def check_paths(a):
         elif not [f for f in os.listdir(path) if f.endswith(weights)]:
             yield f"{flag}: no model weights (*.safetensors, *.bin) here"
     if os.path.isdir(data):
-        yield (f"--dataset {a.dataset} is a directory; give a .jsonl/.json/.parquet file or a "
-               "hub name")
+        yield f"--dataset {a.dataset} is a directory: give a .jsonl/.json/.parquet file or hub name"
     elif a.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(data):
         yield f"--dataset {a.dataset}: no such file"
 
@@ -937,25 +935,21 @@ def parse_number(text):
     return -Fraction(digits) if t.startswith("-") else Fraction(digits)
 
 
-def extract_final_answer(completion):
-    """The last tagged '#### N' (or \\boxed{N}, 'answer is N') wins; else the last number."""
-    for pattern in (r"####\s*(" + _NUMBER + ")", r"\\boxed\{\s*(" + _NUMBER + r")\s*\}",
-                    r"answer is[:\s]*(" + _NUMBER + ")", _NUMBER):
-        found = re.findall(pattern, completion, flags=re.IGNORECASE)
-        if found:
-            return parse_number(found[-1])
-    return None
-
-
 def gsm8k_reference(answer):
     """GSM8K's worked answer ends with '#### N'; a bare number is accepted too."""
     return parse_number(str(answer).split("####")[-1])
 
 
 def gsm8k_correct_reward(completion, answer):
-    # 1.0 if the completion's final answer equals the reference number, else 0.0
-    predicted, reference = extract_final_answer(completion), gsm8k_reference(answer)
-    return float(predicted is not None and predicted == reference)
+    # 1.0 if the completion's final answer equals the reference number, else 0.0. Its final answer:
+    # the last tagged '#### N' (or \boxed{N}, 'answer is N'), else its last number
+    for pattern in (r"####\s*(" + _NUMBER + ")", r"\\boxed\{\s*(" + _NUMBER + r")\s*\}",
+                    r"answer is[:\s]*(" + _NUMBER + ")", _NUMBER):
+        found = re.findall(pattern, completion, flags=re.IGNORECASE)
+        if found:
+            predicted = parse_number(found[-1])
+            return float(predicted is not None and predicted == gsm8k_reference(answer))
+    return 0.0
 
 
 def gsm8k_format_reward(completion, answer):
@@ -971,9 +965,8 @@ COMPARE_NUMBERS = "compare_numbers"
 
 def make_compare_task(eval_size, seed=1234):
     """Held out: the first eval_size pairs of a seeded shuffle, in neither order trained on."""
-    rng = random.Random(seed)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
-    rng.shuffle(pairs)
+    random.Random(seed).shuffle(pairs)
     held_out = {frozenset(p) for p in pairs[:eval_size]}
     trained = [p for p in pairs[eval_size:] if frozenset(p) not in held_out]
     question = "Which number is larger, {} or {}? Answer with the number only."
@@ -1008,14 +1001,7 @@ def load_reward_funcs(spec):
     fns = []
     for item in spec.split(","):
         path, _, name = item.strip().rpartition(":")
-        if not path:
-            fn = globals().get(name)
-            if not name.endswith("_reward") or not callable(fn):
-                raise TrainerError(f"--reward_funcs {item}: no reward function {name!r} in "
-                                   "train_grpo.py; write file.py:name for your own")
-        elif not os.path.isfile(path):
-            raise TrainerError(f"--reward_funcs {item}: no such file {path}")
-        else:
+        if path:  # check_args has made sure the file exists
             try:
                 spec_ = importlib.util.spec_from_file_location(f"reward_{len(fns)}", path)
                 module = importlib.util.module_from_spec(spec_)
@@ -1023,9 +1009,13 @@ def load_reward_funcs(spec):
             except Exception as e:
                 raise TrainerError(f"--reward_funcs {item}: importing {path} failed "
                                    f"({one_line(e)})") from None
-            fn = getattr(module, name, None)
-            if not callable(fn):
-                raise TrainerError(f"--reward_funcs {item}: {path} has no function {name!r}")
+            functions = vars(module)
+        else:
+            functions = {k: v for k, v in globals().items() if k.endswith("_reward")}
+        fn = functions.get(name)
+        if not callable(fn):
+            where = path or "train_grpo.py's *_reward functions (file.py:name for your own)"
+            raise TrainerError(f"--reward_funcs {item}: no function {name!r} in {where}")
         extras = set(inspect.signature(fn).parameters) & {"trainer_state", "log_metric",
                                                            "log_extra"}
         if extras:
@@ -1040,7 +1030,6 @@ DATASET_PROMPT = "_dataset_prompt"
 
 
 def load_rows(args):
-    """(train, eval) rows: compare_numbers', a local .jsonl/.json/.parquet's or a hub dataset's."""
     import datasets
     name, path = args.dataset, os.path.expanduser(args.dataset)
     if name == COMPARE_NUMBERS:
@@ -1073,7 +1062,7 @@ def load_rows(args):
     if "train" in splits and "test" in splits:
         return rows, [dict(r) for r in splits["test"]][:args.eval_size]
     # one split only (a file, a test-only set): its first rows, at most a tenth, are held out
-    n_eval = min(args.eval_size, len(rows) // 10) if len(rows) >= 10 else 0
+    n_eval = min(args.eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
 
 
@@ -1177,31 +1166,27 @@ def is_moe(model):
 
 
 def load_model_and_tokenizer(args, device):
-    """The built-in tiny model and character tokenizer, or --model_name_or_path's."""
     if not args.model_name_or_path:
         tokenizer = build_char_tokenizer(REVERSE_ALPHABET + "=")
         model = build_tiny_model(len(tokenizer), args.use_moe, tokenizer)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        name, remote = args.model_name_or_path, bool(args.trust_remote_code)
-        where, gguf = name, {}
+        name = where = args.model_name_or_path
+        kwargs = {"trust_remote_code": bool(args.trust_remote_code)}
         if name.endswith(".gguf"):  # transformers reads weights, tokenizer, chat template from it
-            where, file = os.path.split(os.path.abspath(os.path.expanduser(name)))
-            gguf = {"gguf_file": file}
+            where, kwargs["gguf_file"] = os.path.split(os.path.abspath(os.path.expanduser(name)))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=remote, **gguf)
-            model = AutoModelForCausalLM.from_pretrained(
-                where, dtype=torch.float32, trust_remote_code=remote, **gguf)
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
         except Exception as e:  # missing files, offline hub, unknown architecture: one line
             raise TrainerError(f"--model_name_or_path {name}: {one_line(e)}") from None
-        if gguf:
+        if "gguf_file" in kwargs:
             model = plain_model(model)
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         if args.use_moe and not is_moe(model):
-            raise TrainerError(f"--use_moe 1 but {name} is a dense model "
-                               f"({model.config.model_type})")
+            raise TrainerError(f"--use_moe 1 but {name} is a dense {model.config.model_type}")
     model.to(device=device, dtype=torch.float32)  # master weights; --dtype computes (autocast)
     if args.cast_lm_head_to_fp32 and args.dtype != "float32":
         cast_lm_head_to_fp32(model)
@@ -1209,8 +1194,7 @@ def load_model_and_tokenizer(args, device):
     check_output_head(model)
     auto = args.gradient_checkpointing == -1 and args.model_name_or_path
     if args.gradient_checkpointing == 1 or auto:
-        kwargs = {"use_reentrant": False}
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable({"use_reentrant": False})  # checkpoint()'s kwargs
     return model, tokenizer
 
 
@@ -1409,10 +1393,9 @@ def set_up(args, rank, world, device):
         if args.dataset in TASK_DEFAULTS:
             print(f"--dataset {args.dataset} sizes in effect (the task's defaults unless typed): "
                   + ", ".join(f"--{n} {getattr(args, n)}" for n in TASK_DEFAULTS[args.dataset]))
-    if not eval_rows:  # nothing to evaluate
+    if not eval_rows:
         if rank == 0 and args.eval_interval > 0:
-            print("no held-out prompts (an empty test split, or a file of fewer than 10 rows): no "
-                  "evaluation")
+            print("no held-out prompts (an empty test split, or a file under 10 rows): no eval")
         args.eval_interval = 0
     prompt_order = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank,
                                       shuffle=True, seed=args.seed, drop_last=True)
@@ -1690,7 +1673,7 @@ def rng_state():
 
 
 def set_rng_state(state):
-    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    random.setstate(state["python"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
@@ -1739,7 +1722,7 @@ def save_pretrained(model, tokenizer, weights, where):
 def find_checkpoint(save_dir):
     done = [p for p in glob.glob(os.path.join(save_dir, "checkpoint-*"))
             if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))]
-    return max(done, key=lambda p: int(p.rsplit("-", 1)[1])) if done else None
+    return max(done, key=lambda p: int(p.rsplit("-", 1)[1]), default=None)
 
 
 def load_weights(model, ckpt, trust_remote_code=False):
@@ -1756,15 +1739,11 @@ def load_weights(model, ckpt, trust_remote_code=False):
     except Exception as e:
         raise TrainerError(f"checkpoint {ckpt} could not be loaded: {one_line(e)}") from None
     own = model.state_dict()
-    for k, v in saved.items():
-        if k not in own or own[k].shape != v.shape:
-            theirs = tuple(own[k].shape) if k in own else "absent"
-            raise TrainerError(f"checkpoint {ckpt} is from another model shape: {k} is "
-                               f"{tuple(v.shape)} there, {theirs} here")
-    missing = [k for k in own if k not in saved]
-    if missing:
-        raise TrainerError(f"checkpoint {ckpt} is from another model: it lacks {missing[0]} "
-                           f"(and {len(missing) - 1} more)")
+    shape = lambda weights, k: tuple(weights[k].shape) if k in weights else "absent"
+    for k in [*saved, *own]:
+        if shape(saved, k) != shape(own, k):
+            raise TrainerError(f"checkpoint {ckpt} is from another model: {k} is "
+                               f"{shape(saved, k)} there, {shape(own, k)} here")
     if is_fsdp(model):  # each rank keeps its shard of the full tensors
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         set_model_state_dict(model, saved, options=StateDictOptions(full_state_dict=True))
@@ -1813,22 +1792,20 @@ def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
 
 
 def resume(args, ckpt, run, scheduler, rank, metrics_path):
-    """Restore weights, optimizer, loss scale, scheduler, loop state and this rank's RNG; trim the
-    log to the checkpoint."""
+    """Restore all a checkpoint holds (this rank's RNG too); trim the log to the checkpoint."""
     policy, optimizer = unwrap(run.model), run.optimizer
     load_weights(policy, ckpt, trust_remote_code=bool(args.trust_remote_code))
 
-    def load(name, problem=None):  # weights_only: a checkpoint holds data, never code to run
-        if problem and not os.path.isfile(os.path.join(ckpt, name)):
-            raise TrainerError(f"checkpoint {ckpt} {problem}")
+    def load(name, why=""):  # weights_only: a checkpoint holds data, never code to run
+        if not os.path.isfile(os.path.join(ckpt, name)):
+            raise TrainerError(f"checkpoint {ckpt} has no {name}{why}")
         return torch.load(os.path.join(ckpt, name), map_location="cpu", weights_only=True)
     saved = load("trainer_state.pt")
     optimizer_state = saved.pop("optimizer")
     if is_fsdp(policy):  # this rank's shard, its plain tensors DTensors like their parameters again
         from torch.distributed.tensor import DTensor
-        shard = f"optimizer_{rank}.pt"
-        optimizer_state = load(shard, f"has no {shard} (it was written without --fsdp 1, or by "
-                                      "fewer ranks)")
+        optimizer_state = load(f"optimizer_{rank}.pt",
+                               " (it was written without --fsdp 1, or by fewer ranks)")
         params = [p for g in optimizer.param_groups for p in g["params"]]
         for i, st in optimizer_state["state"].items():
             p = params[int(i)]
@@ -1841,13 +1818,12 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
     optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(saved.pop("scheduler"))
     scaler_state = saved.pop("scaler", {})
-    if run.scaler.is_enabled() and scaler_state:
+    if scaler_state:  # {} when written without fp16; a disabled scaler ignores it
         run.scaler.load_state_dict(scaler_state)
     if "entropy_coef_applied" in saved:  # a checkpoint written before the field's rename
         saved["next_alpha"] = saved.pop("entropy_coef_applied")
     state = TrainState(**saved)
-    set_rng_state(load(f"rng_state_{rank}.pt",
-                       f"was written by fewer ranks (no rng_state_{rank}.pt)"))
+    set_rng_state(load(f"rng_state_{rank}.pt", " (it was written by fewer ranks)"))
     if rank == 0:  # keep the log of the steps this checkpoint contains, drop any logged after it
         kept = ([ln for ln in open(metrics_path) if json.loads(ln).get("step", 0) <= state.step]
                 if os.path.exists(metrics_path) else [])

@@ -187,6 +187,12 @@ def test_a_dataset_column_may_be_named_like_the_callers_own_argument():
         tg.compute_rewards([batched], [1.0], ["c"], [{"prompt": "p", "prompts": "x", "fn": 1}], [[1]])
 
 
+def test_a_bare_reward_name_is_one_of_this_files_reward_functions_only():
+    assert tg.load_reward_funcs("gsm8k_format_reward") == [tg.gsm8k_format_reward]
+    with pytest.raises(tg.TrainerError, match="--reward_funcs main: no function 'main'"):
+        tg.load_reward_funcs("main")  # a function of train_grpo.py, but not a reward
+
+
 def test_a_checkpoint_written_before_next_alpha_was_named_so_resumes(tmp_path):
     import torch
     from helpers import FAST

@@ -207,6 +207,15 @@ def test_resume_of_another_model_shape_is_one_line(tmp_path):
     assert (tmp_path / "checkpoint-1" / "model.safetensors").exists()  # nothing already saved is lost
 
 
+def test_resume_from_a_final_directory_is_one_line(tmp_path):
+    # final/ holds weights but no trainer state: refused naming the missing file, no traceback
+    from test_cli import one_line_error
+    assert run_cli(*FAST, "--max_steps", "1", "--save_dir", tmp_path).returncode == 0
+    line = one_line_error(run_cli(*FAST, "--max_steps", "2", "--resume", tmp_path / "final",
+                                  "--save_dir", tmp_path / "b"))
+    assert "has no trainer_state.pt" in line
+
+
 # ---- failures inside the loop ----
 def test_reward_that_raises_names_the_sample(tmp_path, monkeypatch):
     def bad(completion, answer):
