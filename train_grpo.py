@@ -1822,7 +1822,9 @@ def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
         state = resume(args, ckpt, run, scheduler, rank, metrics_path)
         return state, metrics_path, open_report(args, rank, resumed_at=state.step)
     report = open_report(args, rank)
-    state = TrainState(entropy_coef=args.entropy_coef, next_alpha=args.entropy_coef)
+    # adaptive: c starts at --entropy_coef, alpha at 0 until a world entropy is measured (as TRL)
+    state = TrainState(entropy_coef=args.entropy_coef,
+                       next_alpha=0.0 if args.use_adaptive_entropy else args.entropy_coef)
     # ranks sample differently; RNG no longer depends on the warmup
     torch.manual_seed(args.seed + 1 + rank)
     random.seed(args.seed + 1 + rank)
