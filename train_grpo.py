@@ -656,7 +656,7 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
     if loss_type == "cispo":
         # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free weight on a REINFORCE term
         pg = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
-        clipped = ratio > epsilon_high
+        clipped = (ratio > epsilon_high) & (A > 0)  # counted as TRL does: the upper side, A > 0
     else:
         # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
         pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
