@@ -632,7 +632,7 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
     if loss_type == "cispo":
         # L = -sg(min(r, eps_h)) * A * logp: a capped, gradient-free weight on a REINFORCE term
         pg = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
-        clipped = ratio > epsilon_high
+        clipped = (ratio > epsilon_high) & (A > 0)  # counted as TRL does: the upper side, A > 0
     else:
         # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
         pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
@@ -1776,7 +1776,9 @@ def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
         state = resume(args, ckpt, run, scheduler, rank, metrics_path)
         return state, metrics_path, open_report(args, rank, resumed_at=state.step)
     report = open_report(args, rank)
-    state = TrainState(entropy_coef=args.entropy_coef, next_alpha=args.entropy_coef)
+    # adaptive: c starts at --entropy_coef, alpha at 0 until a world entropy is measured (as TRL)
+    state = TrainState(entropy_coef=args.entropy_coef,
+                       next_alpha=0.0 if args.use_adaptive_entropy else args.entropy_coef)
     # ranks sample differently; RNG no longer depends on the warmup
     torch.manual_seed(args.seed + 1 + rank)
     random.seed(args.seed + 1 + rank)

@@ -221,3 +221,73 @@ def fp16_skip(rank, world, out_dir, mode="ddp"):
     out["params"] = {k: v.clone() for k, v in tg.full_state_dict(wrapped, every_rank=True).items()}
     torch.save(out, os.path.join(out_dir, f"fp16_{mode}_{rank}.pt"))
     close_group()
+
+
+def world_quantities(rank, world, out_dir):
+    """Two real grpo_steps on 2 ranks with different rollouts and rewards (dapo, --scale_rewards batch, zero-
+    advantage rows skipped, micro-batches of 2 rows). The policy is not wrapped in DDP: only the step's own world
+    reductions tie the ranks, so a number computed on one rank shows. Step 2 gives rank 1 alone a NaN loss.
+    Saves what the step used (spied), this rank's data, and an entropy computed here by a plain forward."""
+    dist.init_process_group("gloo")
+    model, tok = tiny()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)  # sharper logits: entropies that differ from token to token, rank to rank
+    G, P, T = 4, 4, 6
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(3, len(tok), (8, P + T), generator=g)
+    mask = (torch.arange(T) < torch.tensor([[6, 5, 4, 3, 6, 2, 1, 6], [2, 2, 3, 1, 4, 6, 1, 3]][rank])[:, None]).long()
+    rewards = torch.tensor([[1.0, 1, 1, 1, 0, 1, 0, 0], [0, 0.5, 1, 1, 0.2, 0, 0, 1]][rank])  # rank 0: 1 tied group
+    trained = (rewards.view(-1, G).amax(1) != rewards.view(-1, G).amin(1)).repeat_interleave(G)  # A != 0
+    am = torch.cat([torch.ones(8, P, dtype=torch.long), mask], 1)
+    with torch.no_grad():  # the entropy of the policy that sampled, by a plain full forward
+        z = model(ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1:-1]
+        logp = torch.log_softmax(z.double(), -1)
+        ent = -(logp.exp() * logp).sum(-1)
+    seen = {"batch_std": [], "num_items": [], "local_loss": [], "most_kept": [], "forwards": 0}
+    real = {k: getattr(tg, k) for k in ("compute_advantages", "grpo_loss", "reference_and_old_logps",
+                                        "completion_logps")}
+    step = [1]
+
+    def compute_advantages(rewards, G, scale, batch_std):
+        seen["batch_std"].append(batch_std)
+        adv = real["compute_advantages"](rewards, G, scale, batch_std)
+        if step[0] == 2 and rank == 1:
+            adv[-1] = float("nan")                                # rank 1's loss alone is not finite
+        return adv
+
+    def grpo_loss(*a, **k):
+        seen["num_items"].append(k["num_items"])
+        loss, stats = real["grpo_loss"](*a, **k)
+        seen["local_loss"].append(loss.item())
+        return loss, stats
+
+    def reference_and_old_logps(*a):
+        seen["most_kept"].append(a[-1])
+        return real["reference_and_old_logps"](*a)
+
+    def completion_logps(*a, **k):
+        seen["forwards"] += step[0] == 1 and torch.is_grad_enabled()
+        return real["completion_logps"](*a, **k)
+    stand_ins = dict(compute_advantages=compute_advantages, grpo_loss=grpo_loss, completion_logps=completion_logps,
+                     reference_and_old_logps=reference_and_old_logps,
+                     tokenize_prompts=lambda *a, **k: (ids[:, :P], am[:, :P], 0),
+                     rollout=lambda *a, **k: (ids[:, P:], mask, torch.zeros(8, dtype=torch.bool), torch.zeros(8, T)),
+                     decode_completions=lambda *a: [""] * 8, compute_rewards=lambda *a: rewards.clone())
+    for k, v in stand_ins.items():
+        setattr(tg, k, v)
+    args = tg.parse_args(["--loss_type", "dapo", "--scale_rewards", "batch", "--batch_size", "2",
+                          "--num_generations", str(G), "--micro_batch_size", "2"])
+    optimizer, scheduler = tg.build_optimizer(model, args)
+    run = make_run(model, tok, optimizer, world, scheduler=scheduler)
+    state = tg.TrainState()
+    tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
+    out = {"world_entropy": state.world_entropy, "skipped_after_1": state.skipped_steps}
+    before = [p.detach().clone() for p in model.parameters()]
+    step[0] = 2
+    tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
+    out.update(seen, moved_in_2=any(not torch.equal(b, p) for b, p in zip(before, model.parameters())),
+               skipped_after_2=state.skipped_steps, rewards=rewards.tolist(), tokens=mask.sum().item(),
+               kept=int(trained.sum()), ent_sum=(ent * mask)[trained].sum().item(),
+               ent_count=mask[trained].sum().item())
+    torch.save(out, os.path.join(out_dir, f"world_{rank}.pt"))
+    close_group()

@@ -1,5 +1,6 @@
 """Shared by the tests: run the CLI, spawn 2 gloo processes, make a tiny model and tokenizer."""
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,18 +37,32 @@ def cli_command(args, nproc):
 
 
 def run_cli(*args, nproc=1, timeout=600):
-    return subprocess.run(cli_command(args, nproc), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=env1())
+    return run_clis(args, nproc=nproc, timeout=timeout)[0]
 
 
 def run_clis(*runs, nproc=1, timeout=600):
     """Independent CLI runs side by side (each its own process): a list of CompletedProcess, in order."""
-    procs = [subprocess.Popen(cli_command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=ROOT, env=env1()) for args in runs]
-    done = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return run_commands(*(cli_command(args, nproc) for args in runs), timeout=timeout)
+
+
+def run_commands(*commands, timeout=600):
+    """Commands side by side, each in its own session, all within `timeout` s. Past it every session is killed
+    whole (torchrun's workers too, not only the launcher), then subprocess.TimeoutExpired is raised."""
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=env1(), start_new_session=True) for command in commands]
+    deadline, done = time.time() + timeout, []
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(deadline - time.time(), 0.01))
+            except subprocess.TimeoutExpired:
+                raise subprocess.TimeoutExpired(p.args, timeout) from None
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.returncode is None:  # not reaped: its group id is still its own, no one else's
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
     return done
 
 

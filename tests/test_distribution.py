@@ -208,3 +208,27 @@ def test_batch_std_is_the_world_batch_std(tmp_path):
     for r in (r0, r1):
         want = [(x - statistics.mean(r["rewards"].tolist())) / (sd + 1e-4) for x in r["rewards"].tolist()]
         assert r["adv"].tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_every_world_quantity_of_the_step_is_the_worlds(tmp_path):
+    """Each number grpo_step reduces over the ranks, against a hand computation from both ranks' data (which
+    differ, so a number computed on one rank does not pass): (a) the batch std, (b) N, (c) the world entropy,
+    (d) the most rows kept, (e) the micro-batch count S, (f) the skip decision."""
+    spawn(dist_workers.world_quantities, str(tmp_path), timeout=120)
+    r0, r1 = [torch.load(tmp_path / f"world_{r}.pt", weights_only=True) for r in (0, 1)]
+    sd = statistics.stdev(r0["rewards"] + r1["rewards"])
+    assert all(sd != pytest.approx(statistics.stdev(r["rewards"])) for r in (r0, r1))          # the data tell
+    N = r0["tokens"] + r1["tokens"]
+    H = (r0["ent_sum"] + r1["ent_sum"]) / (r0["ent_count"] + r1["ent_count"])
+    means = [r["ent_sum"] / r["ent_count"] for r in (r0, r1)]
+    assert all(H != pytest.approx(x, rel=1e-3) for x in [*means, sum(means) / 2])  # nor a mean of rank means
+    most, micro = max(r0["kept"], r1["kept"]), 2
+    assert (r0["kept"], r1["kept"]) == (4, 8) and math.ceil(4 / micro) != math.ceil(most / micro)
+    for r in (r0, r1):
+        assert r["batch_std"] == pytest.approx([sd, sd], rel=1e-12)                              # (a)
+        assert r["num_items"] and set(r["num_items"]) == {N}                                     # (b)
+        assert r["world_entropy"] == pytest.approx(H, rel=1e-5)                                  # (c)
+        assert r["most_kept"] == [most, most]                                                    # (d)
+        assert r["forwards"] == math.ceil(most / micro)                                          # (e)
+        assert r["skipped_after_1"] == 0 and r["skipped_after_2"] == 1 and not r["moved_in_2"]   # (f)
+    assert all(math.isfinite(x) for x in r0["local_loss"])  # rank 0's own loss was finite: it skipped for rank 1

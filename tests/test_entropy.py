@@ -149,6 +149,21 @@ def test_two_ranks_hold_one_coefficient_from_world_sums(tmp_path):
     assert differs, "the data must tell a world mean from a mean of per-rank means"
 
 
+@pytest.mark.parametrize("adaptive", [0, 1])
+def test_step_1_applies_no_adaptive_bonus_before_an_entropy_is_measured(tmp_path, adaptive):
+    """Static: --entropy_coef from step 1. Adaptive: c starts at --entropy_coef, but the bonus waits for a world
+    entropy (as TRL: nothing is applied before one is measured); step 1's H ~2.4 is above the target 0.2."""
+    from helpers import FAST
+    tg.main(FAST + ["--max_steps", "1", "--loss_type", "bnpo", "--entropy_coef", "0.003",
+                    "--use_adaptive_entropy", str(adaptive), "--save_dir", str(tmp_path)])
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    alpha = 0.0 if adaptive else 0.003
+    assert row["entropy_coef_applied"] == alpha and row["entropy"] > 0.2
+    assert row["entropy_coef"] == pytest.approx(0.003 - 1e-4 if adaptive else 0.003, abs=1e-12)
+    # what the loss applied: bnpo on one process normalizes the bonus like the logged entropy (a token mean)
+    assert row["loss"] == pytest.approx(row["policy_loss"] - alpha * row["entropy"], rel=1e-5, abs=1e-8)
+
+
 @pytest.mark.parametrize("vocab", [151_936, 2 * 151_936])  # Qwen's vocabulary, and twice it
 def test_largest_logits_tensor_stays_within_the_byte_budget_whatever_the_vocabulary(vocab):
     from transformers import Qwen3Config, Qwen3ForCausalLM

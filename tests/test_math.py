@@ -101,6 +101,17 @@ def test_cispo_weight_is_capped_and_carries_no_gradient():
     torch.testing.assert_close(loss, -(torch.clamp(ratios, max=cap) * 2.0 * torch.log(ratios)).sum() / 4)
 
 
+def test_cispo_clip_ratio_counts_capped_tokens_with_positive_advantage():
+    cap = 2.0
+    ratios = torch.tensor([[0.5, 3.0, 10.0, 1.0], [3.0, 10.0, 0.5, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    _, stats = tg.grpo_loss(torch.log(ratios), torch.zeros(2, 4), torch.tensor([1.0, -1.0]), mask, loss_type="cispo",
+                            epsilon=0.2, epsilon_high=cap, num_items=7, world_size=1)
+    # by hand, as TRL counts: r > cap and A > 0, over the 7 masked tokens: row 0's 3.0 and 10.0; row 1 (A < 0)
+    # has r > cap twice too, but there the cap only shrinks a push down: not counted
+    assert stats["clip_ratio"].item() == pytest.approx(2 / 7)
+
+
 def test_k3_kl_matches_hand_computation():
     logps, mask, adv = batch()
     ref = logps.detach() + torch.tensor([[0.1, -0.2, 0.3, 0.0, 0.5], [0.0, 0.05, -0.1, 0.2, -0.3], [0.4, -0.4, 9, 9, 9]])
