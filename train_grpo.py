@@ -505,22 +505,20 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     """Log-probs (and entropy) of each row's last T tokens: final hidden states through lm_head,
     chunk_size tokens at a time (0: auto_chunk_tokens(V)), so [rows, T, V] logits never exist.
     temperature, top_k, top_p: the distribution scored (0 and 1: the full one). Call it with the DDP
-    wrapper: its forward makes DDP all-reduce the gradients. Without grad (reference, old) it runs
-    the decoder alone, which keeps no hidden states but the last. Returns logps [rows, T], entropy
-    [rows, T] (a graph only if entropy_grad), and the router's aux loss (MoE) or None."""
+    wrapper: its forward makes DDP all-reduce the gradients. No pass asks for every layer's hidden
+    states (without grad only the last is kept). Returns logps [rows, T], entropy [rows, T] (a graph
+    only if entropy_grad), and the router's aux loss (MoE, with grad) or None."""
     T = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)   # as generate() computes them
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False)
-    moe, aux = is_moe(model), None
-    if torch.is_grad_enabled() or is_fsdp(model):  # FSDP: the root's forward gathers embeddings
-        # logits_to_keep=1: the model's own lm_head runs on the last position only ([rows, 1, V],
-        # not [rows, P+T, V]); the log-probs come from the hidden states through lm_head, below
-        out = model(**inputs, output_hidden_states=True, logits_to_keep=1,
-                    **({"output_router_logits": True} if moe else {}))
-        hidden, aux = out.hidden_states[-1], getattr(out, "aux_loss", None) if moe else None
-    else:
-        hidden = unwrap(model).get_decoder()(**inputs).last_hidden_state
+    grad = torch.is_grad_enabled()
+    moe = grad and is_moe(model)  # the router's load-balancing loss: for the loss alone
+    # without grad (reference, old) past DDP's wrapper, whose forward syncs buffers (a collective);
+    # FSDP's is the model itself: its root's forward gathers the embeddings and lm_head
+    net = model if grad else unwrap(model)
+    hidden, out = forward_last_hidden(net, input_ids=input_ids, attention_mask=attention_mask,
+                                      position_ids=position_ids, use_cache=False,
+                                      **({"output_router_logits": True} if moe else {}))
+    aux = getattr(out, "aux_loss", None) if moe else None
     hidden = hidden[:, -T - 1:-1, :]                                  # [rows, T, H]: before token t
     targets = input_ids[:, -T:]                                                   # [rows, T]
     head = functools.partial(lm_logits, unwrap(model))      # lm_head + the model's post-processing
@@ -1258,22 +1256,33 @@ def plain_model(model):
 
 @torch.no_grad()
 def check_output_head(model):
-    """Log-probs come from lm_logits(last hidden state): refuse a model whose forward differs."""
+    """Log-probs come from lm_logits(the decoder's last hidden state): refuse a model whose forward
+    computes its logits otherwise."""
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]      # 8 arbitrary tokens
     was_training = model.training
-    out = model.eval()(input_ids=ids, output_hidden_states=True, use_cache=False)
-    last = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # no-grad path
+    last, out = forward_last_hidden(model.eval(), input_ids=ids, use_cache=False)
     model.train(was_training)
-    ours, theirs = lm_logits(model, last).float(), out.logits.float()
-    if not torch.equal(last, out.hidden_states[-1]):
-        raise TrainerError(f"{type(model).__name__}: the decoder's last hidden state is not the "
-                           "forward's last hidden state; train_grpo reads both")
+    ours, theirs = lm_logits(model, last[:, -1:]).float(), out.logits.float()
     if not torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * theirs.abs().max().item()):
         gap = (ours - theirs).abs().max().item()
         raise TrainerError(f"{type(model).__name__}'s forward post-processes its logits in a way "
                            f"train_grpo.lm_logits does not (max difference {gap:.3g}); add it "
                            "there")
+
+
+def forward_last_hidden(model, **inputs):
+    """model(**inputs) (through its wrapper) and its decoder's last hidden state, caught by a hook:
+    output_hidden_states would keep every layer's at once. logits_to_keep=1: the model's own lm_head
+    runs on the last position only ([rows, 1, V], not [rows, P+T, V])."""
+    caught = []
+    hook = unwrap(model).get_decoder().register_forward_hook(
+        lambda module, args, out: caught.append(out.last_hidden_state))
+    try:
+        out = model(**inputs, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return caught[0], out
 
 
 def lm_logits(model, hidden):
