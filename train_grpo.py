@@ -229,10 +229,11 @@ def grpo_step(args, run, rows, state):
     t0, G, policy, device = time.time(), args.num_generations, unwrap(run.model), run.device
     lr = run.scheduler.get_last_lr()[0]                                  # this step's rate
     reset_peak_memory(device)
-    # 1. prompts: each repeated G times so a group is contiguous; left-padded, left-truncated
-    rows = [r for r in rows for _ in range(G)]
+    # 1. prompts: tokenized once, each repeated G times so a group is contiguous; left-padded,
+    # left-truncated (n_cut: of the B prompts)
     prompt_ids, prompt_mask, n_cut = tokenize_prompts(run.tokenizer, [r["prompt"] for r in rows],
-                                                      args.max_prompt_len, device)  # [rows, P]
+                                                      args.max_prompt_len, device, G)  # [rows, P]
+    rows = [r for r in rows for _ in range(G)]
 
     # 2. rollout on the unwrapped policy, no graph: m = 1 up to and including the first EOS, and
     # the sampler's own log-prob of each token it drew
@@ -348,7 +349,7 @@ def grpo_step(args, run, rows, state):
 
     # 14. log: world values (sums and counts over the ranks, or the world's min and max)
     record = step_metrics(run, state, rewards, advantages, mask, no_eos, totals, first,
-                          n_cut // G, G, num_items)
+                          n_cut, G, num_items)
     dt = time.time() - t0
     record.update(entropy_coef_applied=alpha, grad_norm=grad_norm.item(), lr=lr, step_time=dt,
                   generate_time=gen_time, generate_share=gen_time / dt,
@@ -359,22 +360,27 @@ def grpo_step(args, run, rows, state):
 
 
 # --- Stages 1-2. Prompts and rollout: the *unwrapped* policy, eval mode, no graph -----------------
-def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
+def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
     """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
     A prompt starts with the BOS its tokenizer puts first (Llama, Gemma, Mistral: as pretrained),
-    never twice (a chat template that writes it, Llama-3's <|begin_of_text|>, gets none added); no
-    EOS is added. Returns input_ids [B, P], attention_mask [B, P] and how many prompts were cut."""
+    never twice (a chat template that writes it, Llama-3's <|begin_of_text|>, gets none added), and
+    keeps it when cut; no EOS is added. Each prompt is tokenized once, its row repeated `repeat`
+    times (a group, contiguous). Returns input_ids [B * repeat, P], attention_mask [B * repeat, P]
+    and how many of the B prompts were cut."""
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
-    ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    ids = tokenizer(list(prompts), add_special_tokens=False).input_ids
     ids = [[bos] + x if adds_bos and x[:1] != [bos] else x for x in ids]
     n_cut = sum(len(x) > max_prompt_len for x in ids)
-    ids = [x[-max_prompt_len:] for x in ids]
+    # a cut prompt keeps its BOS (the model never saw text without one) and loses content instead
+    cut = lambda x: (x[:1] + x[len(x) - max_prompt_len + 1:] if x[:1] == [bos]
+                     else x[len(x) - max_prompt_len:])
+    ids = [cut(x) if len(x) > max_prompt_len else x for x in ids]
     width = max(len(x) for x in ids)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
-    return input_ids, mask, n_cut
+    return input_ids.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0), n_cut
 
 
 @torch.no_grad()
