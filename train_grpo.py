@@ -246,8 +246,8 @@ def grpo_step(args, run, rows, state):
     gen_time = time.time() - t_gen
 
     # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i), None skipped
-    completions = decode_completions(run.tokenizer, completion_ids, mask)
     ids = completion_token_ids(completion_ids, mask)                    # TRL's completion_ids
+    completions = decode_completions(run.tokenizer, ids, rows)
     rewards = compute_rewards(run.reward_fns, run.weights, completions, rows, ids)  # [rows]
     # 4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4); batch: all ranks' reward std
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
@@ -1114,7 +1114,8 @@ def load_rows(args):
 
 def render_prompt(tokenizer, row, args):
     """A dataset row -> the prompt text: a question with GSM8K's system prompt, chat messages
-    through the chat template (a question as plain text without one), a text 'prompt' as is."""
+    through the chat template (a question as plain text without one), a text 'prompt' as is. Chat
+    messages that end with an assistant's (a prefill, "<think>") continue it, as TRL."""
     template = getattr(tokenizer, "chat_template", None)
     if args.question_field in row:
         question = row[args.question_field]
@@ -1129,7 +1130,16 @@ def render_prompt(tokenizer, row, args):
         if not template:
             raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no "
                                "chat template")
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    prefill = prompt[-1]["role"] == "assistant"  # the completion goes on from it: no new turn
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not prefill,
+                                         continue_final_message=prefill)
+
+
+def chat_prefill(row):
+    """The assistant message a row's chat prompt ends with (TRL's "bootstrap"), else ''."""
+    prompt = row.get(DATASET_PROMPT)
+    ends = isinstance(prompt, list) and prompt[-1]["role"] == "assistant"
+    return prompt[-1]["content"] if ends else ""
 
 
 def given_prompt(tokenizer, row, args):
@@ -1423,9 +1433,11 @@ def call_reward(fn, /, *args, **kwargs):
 
 def call_batched_reward(fn, completions, completion_ids, rows):
     """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), the other
-    columns as lists; chat prompts stay message lists, a completion [{"role": "assistant", ...}]."""
+    columns as lists; chat prompts stay message lists, a completion [{"role": "assistant", ...}]
+    whose content starts with the prefill, popped from its prompt."""
     prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
     if not isinstance(prompts[0], str):  # conversational
+        prompts = [p[:-1] if p[-1]["role"] == "assistant" else p for p in prompts]
         completions = [[{"role": "assistant", "content": c}] for c in completions]
     columns = {k: [r[k] for r in rows] for k in rows[0]
                if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
@@ -1551,9 +1563,11 @@ def completion_token_ids(completion_ids, mask):
     return [ids[m.bool()].tolist() for ids, m in zip(completion_ids, mask)]
 
 
-def decode_completions(tokenizer, completion_ids, mask):
-    return [tokenizer.decode(ids, skip_special_tokens=True)
-            for ids in completion_token_ids(completion_ids, mask)]
+def decode_completions(tokenizer, ids, rows):
+    # each completion's text (ids: completion_token_ids'), after its chat prompt's prefill if any:
+    # as TRL, the rewards and the eval see the assistant's message whole
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return [chat_prefill(row) + text for row, text in zip(rows, texts)]
 
 
 # --- Processes and precision: torchrun, DDP, FSDP2, autocast --------------------------------------
@@ -1964,9 +1978,9 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
         with autocast(args, device):
             comp, mask, *_ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len,
                                      do_sample=False, static_cache=use_static_cache(args, device))
-        texts = decode_completions(tokenizer, comp, mask)
         if rows:  # the ids as generated, EOS included (what the rewards get in training)
-            correct += sum(score(texts, rows, completion_token_ids(comp, mask)))
+            ids = completion_token_ids(comp, mask)
+            correct += sum(score(decode_completions(tokenizer, ids, rows), rows, ids))
     c, n = world_sum(correct, len(mine), device=device)
     return c / max(n, 1)
 

@@ -7,7 +7,7 @@ from helpers import make_run, tg, tiny
 ROWS = [{"prompt": "ab=", "answer": "ba"}, {"prompt": "abcdef=", "answer": "fedcba"}]  # the second is cut
 
 
-def one_step(monkeypatch, texts=None):
+def one_step(monkeypatch, texts=None, reward=tg.reverse_reward):
     """One real grpo_step of the tiny model on ROWS, G = 4, prompts cut at 4 tokens: its record and the prompt
     ids and mask its rollout got. texts: a list that records every text the tokenizer is called on."""
     model, tok = tiny()
@@ -20,7 +20,7 @@ def one_step(monkeypatch, texts=None):
     args = tg.parse_args(["--batch_size", "2", "--num_generations", "4", "--max_gen_len", "4",
                           "--max_prompt_len", "4"])
     optimizer, scheduler = tg.build_optimizer(model, args)
-    run = make_run(model, tok, optimizer, reward_fns=[tg.reverse_reward], weights=[1.0], scheduler=scheduler)
+    run = make_run(model, tok, optimizer, reward_fns=[reward], weights=[1.0], scheduler=scheduler)
     seen, real = [], tg.rollout
     monkeypatch.setattr(tg, "rollout", lambda *a, **k: seen.append(a[1:3]) or real(*a, **k))
     return tg.grpo_step(args, run, ROWS, tg.TrainState()), seen[0]
@@ -34,3 +34,24 @@ def test_each_prompt_is_tokenized_once_a_step_and_repeated_in_contiguous_groups(
     assert prompt_ids.tolist() == [[0, 3, 4, 11]] * 4 + [[6, 7, 8, 11]] * 4
     assert prompt_mask.tolist() == [[0, 1, 1, 1]] * 4 + [[1, 1, 1, 1]] * 4
     assert record["truncated_prompts"] == 1                                    # prompts, not completions
+
+
+def test_the_completion_ids_are_built_once_a_step_and_an_eval_batch_and_the_texts_decoded_from_them(monkeypatch):
+    calls, real = [], tg.completion_token_ids
+    monkeypatch.setattr(tg, "completion_token_ids", lambda *a: calls.append(a) or real(*a))
+    given = []
+
+    def batched(completions, completion_ids, **row):  # TRL's form: sees both
+        given.append((completions, completion_ids))
+        return [0.0] * len(completions)
+    one_step(monkeypatch, reward=batched)
+    assert len(calls) == 1
+    (texts, ids), = given
+    model, tok = tiny()
+    (comp, mask), = calls
+    assert ids == [c[m.bool()].tolist() for c, m in zip(comp, mask)]         # up to and including the EOS
+    assert texts == [tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(comp, mask)]
+    calls.clear()
+    score = lambda texts, rows, ids: [float(t == tok.decode(i, skip_special_tokens=True)) for t, i in zip(texts, ids)]
+    assert tg.evaluate(model, tok, ROWS, score, tg.Args(max_gen_len=4), 0, 1, "cpu") == 1.0
+    assert len(calls) == 1                                                     # one eval batch: once
