@@ -2051,14 +2051,24 @@ def open_report(args, rank, resumed_at=None):
 
 
 def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank):
-    """Rank 0: the final model as a plain transformers directory, and one summary line."""
-    weights = full_state_dict(policy) if state.step == args.max_steps else None  # FSDP: all ranks
+    """Rank 0: the final model as a plain transformers directory, and one summary line. The last
+    step's checkpoint holds it already: final/ gets its files (all but the .pt trainer state) as
+    hard links (a copy where links fail), so the weights are serialized once."""
     if rank != 0:
         return
     where = find_checkpoint(args.save_dir)
-    if weights is not None:
+    if state.step == args.max_steps:
+        ckpt = os.path.join(args.save_dir, f"checkpoint-{state.step}")
+        ckpt = ckpt if os.path.isdir(ckpt) else args.resume  # resumed from a finished run elsewhere
         where = os.path.join(args.save_dir, "final")
-        save_pretrained(policy, tokenizer, weights, where)
+        shutil.rmtree(where, ignore_errors=True)  # never written into: its files are ckpt's too
+        os.makedirs(where)
+        for name in [n for n in os.listdir(ckpt) if not n.endswith(".pt")]:
+            src, dst = os.path.join(ckpt, name), os.path.join(where, name)
+            try:
+                os.link(src, dst)
+            except OSError:  # a file system without hard links
+                shutil.copy2(src, dst)
         print(f"saved {where}")
     evals = [(r["step"], r[eval_key]) for r in map(json.loads, open(metrics_path)) if eval_key in r]
     held_out = (f"held-out {eval_key} {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
