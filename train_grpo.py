@@ -220,10 +220,11 @@ def grpo_step(args, run, rows, state):
     t0, G, policy, device = time.time(), args.num_generations, unwrap(run.model), run.device
     lr = run.scheduler.get_last_lr()[0]                                  # this step's rate
     reset_peak_memory(device)
-    # 1. prompts: each repeated G times so a group is contiguous; left-padded, left-truncated
-    rows = [r for r in rows for _ in range(G)]
+    # 1. prompts: tokenized once, each repeated G times so a group is contiguous; left-padded,
+    # left-truncated (n_cut: of the B prompts)
     prompt_ids, prompt_mask, n_cut = tokenize_prompts(run.tokenizer, [r["prompt"] for r in rows],
-                                                      args.max_prompt_len, device)  # [rows, P]
+                                                      args.max_prompt_len, device, G)  # [rows, P]
+    rows = [r for r in rows for _ in range(G)]
 
     # 2. rollout on the unwrapped policy, no graph: m = 1 up to and including the first EOS, and
     # the sampler's own log-prob of each token it drew
@@ -236,8 +237,8 @@ def grpo_step(args, run, rows, state):
     gen_time = time.time() - t_gen
 
     # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i), None skipped
-    completions = decode_completions(run.tokenizer, completion_ids, mask)
     ids = completion_token_ids(completion_ids, mask)                    # TRL's completion_ids
+    completions = decode_completions(run.tokenizer, ids, rows)
     rewards = compute_rewards(run.reward_fns, run.weights, completions, rows, ids)  # [rows]
     # 4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4); batch: all ranks' reward std
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
@@ -338,7 +339,7 @@ def grpo_step(args, run, rows, state):
 
     # 14. log: world values (sums and counts over the ranks, or the world's min and max)
     record = step_metrics(run, state, rewards, advantages, mask, no_eos, totals, first,
-                          n_cut // G, G, num_items)
+                          n_cut, G, num_items)
     dt = time.time() - t0
     record.update(entropy_coef_applied=alpha, grad_norm=grad_norm.item(), lr=lr, step_time=dt,
                   generate_time=gen_time, generate_share=gen_time / dt,
@@ -349,22 +350,27 @@ def grpo_step(args, run, rows, state):
 
 
 # --- Stages 1-2. Prompts and rollout: the *unwrapped* policy, eval mode, no graph -----------------
-def tokenize_prompts(tokenizer, prompts, max_prompt_len, device):
+def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
     """Left-pad and left-truncate (keep the end, where the question and the generation prompt are).
     A prompt starts with the BOS its tokenizer puts first (Llama, Gemma, Mistral: as pretrained),
-    never twice (a chat template that writes it, Llama-3's <|begin_of_text|>, gets none added); no
-    EOS is added. Returns input_ids [B, P], attention_mask [B, P] and how many prompts were cut."""
+    never twice (a chat template that writes it, Llama-3's <|begin_of_text|>, gets none added), and
+    keeps it when cut; no EOS is added. Each prompt is tokenized once, its row repeated `repeat`
+    times (a group, contiguous). Returns input_ids [B * repeat, P], attention_mask [B * repeat, P]
+    and how many of the B prompts were cut."""
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
-    ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    ids = tokenizer(list(prompts), add_special_tokens=False).input_ids
     ids = [[bos] + x if adds_bos and x[:1] != [bos] else x for x in ids]
     n_cut = sum(len(x) > max_prompt_len for x in ids)
-    ids = [x[-max_prompt_len:] for x in ids]
+    # a cut prompt keeps its BOS (the model never saw text without one) and loses content instead
+    cut = lambda x: (x[:1] + x[len(x) - max_prompt_len + 1:] if x[:1] == [bos]
+                     else x[len(x) - max_prompt_len:])
+    ids = [cut(x) if len(x) > max_prompt_len else x for x in ids]
     width = max(len(x) for x in ids)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
-    return input_ids, mask, n_cut
+    return input_ids.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0), n_cut
 
 
 @torch.no_grad()
@@ -493,22 +499,20 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     """Log-probs (and entropy) of each row's last T tokens: final hidden states through lm_head,
     chunk_size tokens at a time (0: auto_chunk_tokens(V)), so [rows, T, V] logits never exist.
     temperature, top_k, top_p: the distribution scored (0 and 1: the full one). Call it with the DDP
-    wrapper: its forward makes DDP all-reduce the gradients. Without grad (reference, old) it runs
-    the decoder alone, which keeps no hidden states but the last. Returns logps [rows, T], entropy
-    [rows, T] (a graph only if entropy_grad), and the router's aux loss (MoE) or None."""
+    wrapper: its forward makes DDP all-reduce the gradients. No pass asks for every layer's hidden
+    states (without grad only the last is kept). Returns logps [rows, T], entropy [rows, T] (a graph
+    only if entropy_grad), and the router's aux loss (MoE, with grad) or None."""
     T = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)   # as generate() computes them
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False)
-    moe, aux = is_moe(model), None
-    if torch.is_grad_enabled() or is_fsdp(model):  # FSDP: the root's forward gathers embeddings
-        # logits_to_keep=1: the model's own lm_head runs on the last position only ([rows, 1, V],
-        # not [rows, P+T, V]); the log-probs come from the hidden states through lm_head, below
-        out = model(**inputs, output_hidden_states=True, logits_to_keep=1,
-                    **({"output_router_logits": True} if moe else {}))
-        hidden, aux = out.hidden_states[-1], getattr(out, "aux_loss", None) if moe else None
-    else:
-        hidden = unwrap(model).get_decoder()(**inputs).last_hidden_state
+    grad = torch.is_grad_enabled()
+    moe = grad and is_moe(model)  # the router's load-balancing loss: for the loss alone
+    # without grad (reference, old) past DDP's wrapper, whose forward syncs buffers (a collective);
+    # FSDP's is the model itself: its root's forward gathers the embeddings and lm_head
+    net = model if grad else unwrap(model)
+    hidden, out = forward_last_hidden(net, input_ids=input_ids, attention_mask=attention_mask,
+                                      position_ids=position_ids, use_cache=False,
+                                      **({"output_router_logits": True} if moe else {}))
+    aux = getattr(out, "aux_loss", None) if moe else None
     hidden = hidden[:, -T - 1:-1, :]                                  # [rows, T, H]: before token t
     targets = input_ids[:, -T:]                                                   # [rows, T]
     head = functools.partial(lm_logits, unwrap(model))      # lm_head + the model's post-processing
@@ -1068,7 +1072,8 @@ def load_rows(args):
 
 def render_prompt(tokenizer, row, args):
     """A dataset row -> the prompt text: a question with GSM8K's system prompt, chat messages
-    through the chat template (a question as plain text without one), a text 'prompt' as is."""
+    through the chat template (a question as plain text without one), a text 'prompt' as is. Chat
+    messages that end with an assistant's (a prefill, "<think>") continue it, as TRL."""
     template = getattr(tokenizer, "chat_template", None)
     if args.question_field in row:
         question = row[args.question_field]
@@ -1083,7 +1088,16 @@ def render_prompt(tokenizer, row, args):
         if not template:
             raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no "
                                "chat template")
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    prefill = prompt[-1]["role"] == "assistant"  # the completion goes on from it: no new turn
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not prefill,
+                                         continue_final_message=prefill)
+
+
+def chat_prefill(row):
+    """The assistant message a row's chat prompt ends with (TRL's "bootstrap"), else ''."""
+    prompt = row.get(DATASET_PROMPT)
+    ends = isinstance(prompt, list) and prompt[-1]["role"] == "assistant"
+    return prompt[-1]["content"] if ends else ""
 
 
 def given_prompt(tokenizer, row, args):
@@ -1211,22 +1225,33 @@ def plain_model(model):
 
 @torch.no_grad()
 def check_output_head(model):
-    """Log-probs come from lm_logits(last hidden state): refuse a model whose forward differs."""
+    """Log-probs come from lm_logits(the decoder's last hidden state): refuse a model whose forward
+    computes its logits otherwise."""
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]      # 8 arbitrary tokens
     was_training = model.training
-    out = model.eval()(input_ids=ids, output_hidden_states=True, use_cache=False)
-    last = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # no-grad path
+    last, out = forward_last_hidden(model.eval(), input_ids=ids, use_cache=False)
     model.train(was_training)
-    ours, theirs = lm_logits(model, last).float(), out.logits.float()
-    if not torch.equal(last, out.hidden_states[-1]):
-        raise TrainerError(f"{type(model).__name__}: the decoder's last hidden state is not the "
-                           "forward's last hidden state; train_grpo reads both")
+    ours, theirs = lm_logits(model, last[:, -1:]).float(), out.logits.float()
     if not torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * theirs.abs().max().item()):
         gap = (ours - theirs).abs().max().item()
         raise TrainerError(f"{type(model).__name__}'s forward post-processes its logits in a way "
                            f"train_grpo.lm_logits does not (max difference {gap:.3g}); add it "
                            "there")
+
+
+def forward_last_hidden(model, **inputs):
+    """model(**inputs) (through its wrapper) and its decoder's last hidden state, caught by a hook:
+    output_hidden_states would keep every layer's at once. logits_to_keep=1: the model's own lm_head
+    runs on the last position only ([rows, 1, V], not [rows, P+T, V])."""
+    caught = []
+    hook = unwrap(model).get_decoder().register_forward_hook(
+        lambda module, args, out: caught.append(out.last_hidden_state))
+    try:
+        out = model(**inputs, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return caught[0], out
 
 
 def lm_logits(model, hidden):
@@ -1367,9 +1392,11 @@ def call_reward(fn, /, *args, **kwargs):
 
 def call_batched_reward(fn, completions, completion_ids, rows):
     """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), the other
-    columns as lists; chat prompts stay message lists, a completion [{"role": "assistant", ...}]."""
+    columns as lists; chat prompts stay message lists, a completion [{"role": "assistant", ...}]
+    whose content starts with the prefill, popped from its prompt."""
     prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
     if not isinstance(prompts[0], str):  # conversational
+        prompts = [p[:-1] if p[-1]["role"] == "assistant" else p for p in prompts]
         completions = [[{"role": "assistant", "content": c}] for c in completions]
     columns = {k: [r[k] for r in rows] for k in rows[0]
                if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
@@ -1494,9 +1521,11 @@ def completion_token_ids(completion_ids, mask):
     return [ids[m.bool()].tolist() for ids, m in zip(completion_ids, mask)]
 
 
-def decode_completions(tokenizer, completion_ids, mask):
-    return [tokenizer.decode(ids, skip_special_tokens=True)
-            for ids in completion_token_ids(completion_ids, mask)]
+def decode_completions(tokenizer, ids, rows):
+    # each completion's text (ids: completion_token_ids'), after its chat prompt's prefill if any:
+    # as TRL, the rewards and the eval see the assistant's message whole
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return [chat_prefill(row) + text for row, text in zip(rows, texts)]
 
 
 # --- Processes and precision: torchrun, DDP, FSDP2, autocast --------------------------------------
@@ -1902,9 +1931,9 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
         with autocast(args, device):
             comp, mask, *_ = rollout(policy, ids, am, tokenizer, max_gen_len=args.max_gen_len,
                                      do_sample=False, static_cache=use_static_cache(args, device))
-        texts = decode_completions(tokenizer, comp, mask)
         if rows:  # the ids as generated, EOS included (what the rewards get in training)
-            correct += sum(score(texts, rows, completion_token_ids(comp, mask)))
+            ids = completion_token_ids(comp, mask)
+            correct += sum(score(decode_completions(tokenizer, ids, rows), rows, ids))
     c, n = world_sum(correct, len(mine), device=device)
     return c / max(n, 1)
 
@@ -1975,14 +2004,24 @@ def open_report(args, rank, resumed_at=None):
 
 
 def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank):
-    """Rank 0: the final model as a plain transformers directory, and one summary line."""
-    weights = full_state_dict(policy) if state.step == args.max_steps else None  # FSDP: all ranks
+    """Rank 0: the final model as a plain transformers directory, and one summary line. The last
+    step's checkpoint holds it already: final/ gets its files (all but the .pt trainer state) as
+    hard links (a copy where links fail), so the weights are serialized once."""
     if rank != 0:
         return
     where = find_checkpoint(args.save_dir)
-    if weights is not None:
+    if state.step == args.max_steps:
+        ckpt = os.path.join(args.save_dir, f"checkpoint-{state.step}")
+        ckpt = ckpt if os.path.isdir(ckpt) else args.resume  # resumed from a finished run elsewhere
         where = os.path.join(args.save_dir, "final")
-        save_pretrained(policy, tokenizer, weights, where)
+        shutil.rmtree(where, ignore_errors=True)  # never written into: its files are ckpt's too
+        os.makedirs(where)
+        for name in [n for n in os.listdir(ckpt) if not n.endswith(".pt")]:
+            src, dst = os.path.join(ckpt, name), os.path.join(where, name)
+            try:
+                os.link(src, dst)
+            except OSError:  # a file system without hard links
+                shutil.copy2(src, dst)
         print(f"saved {where}")
     evals = [(r["step"], r[eval_key]) for r in map(json.loads, open(metrics_path)) if eval_key in r]
     held_out = (f"held-out {eval_key} {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "

@@ -291,3 +291,36 @@ def world_quantities(rank, world, out_dir):
                ent_count=mask[trained].sum().item())
     torch.save(out, os.path.join(out_dir, f"world_{rank}.pt"))
     close_group()
+
+
+def fsdp_old_logps_keep_one_hidden_state(rank, world, out_dir):
+    """--fsdp 1 --num_iterations 2 on 2 ranks fed different rollouts: the no-grad pass that scores the old
+    log-probs (reference_and_old_logps). Saves what its forwards were asked for and returned, how many decoder
+    layers' outputs were alive when the final norm ran, and the old log-probs next to a plain full-logits
+    forward's."""
+    import weakref
+    dist.init_process_group("gloo")
+    model, tok = tiny(seed=0)
+    input_ids, attn, comp, mask = sample_batch(model, tok, seed=rank)
+    with torch.no_grad():  # independent: every position's logits from the unsharded model, then log-softmax
+        T = comp.shape[1]
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1]
+        want = torch.log_softmax(logits.double(), -1).gather(-1, comp[..., None]).squeeze(-1)
+    args = tg.parse_args(["--fsdp", "1", "--num_iterations", "2"])
+    wrapped = tg.shard_fsdp(model, args, world)
+    asked, returned, layer_outputs, alive = [], [], [], []
+    wrapped.register_forward_pre_hook(lambda m, a, k: asked.append(bool(k.get("output_hidden_states"))),
+                                      with_kwargs=True)
+    wrapped.register_forward_hook(lambda m, a, out: returned.append(getattr(out, "hidden_states", None) is not None))
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda m, a, out: layer_outputs.append(
+            weakref.ref(out[0] if isinstance(out, tuple) else out)))
+    model.model.norm.register_forward_pre_hook(
+        lambda m, a: alive.append(sum(r() is not None for r in layer_outputs)) or layer_outputs.clear())
+    kept = torch.arange(input_ids.shape[0])
+    _, old = tg.reference_and_old_logps(tg.Run(wrapped, None, None, None, None, tok, [], [], world), args,
+                                        input_ids, attn, T, kept, len(kept))
+    torch.save({"asked": asked, "returned": returned, "alive": alive, "old": old, "want": want, "mask": mask},
+               os.path.join(out_dir, f"old_{rank}.pt"))
+    close_group()

@@ -74,6 +74,35 @@ def test_chat_message_prompts_go_through_the_chat_template(tmp_path, model_dir, 
     assert CHAT_TEMPLATE.startswith("{% for m in messages %}<|{{ m['role'] }}|>")  # the template this assumes
 
 
+
+def test_a_chat_prompt_ending_with_an_assistant_message_is_continued_and_rewarded_whole(tmp_path, model_dir,
+                                                                                     monkeypatch):
+    """As TRL: a final assistant message (a prefill) is continued, not followed by a new assistant turn; the
+    rewards (both forms) and the held-out eval see prefill + generated text; the batched form gets TRL's message
+    shapes, the prefill popped from its prompt."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ask = lambda n: [{"role": "user", "content": f"Count to {n}."}]
+    row = {"prompt": ask(3) + [{"role": "assistant", "content": "<think>"}]}
+    # the template, rendered by hand: the prefill ends the text, no "<|assistant|>" after it
+    assert tg.render_prompt(tok, row, tg.Args()) == "<|user|>\nCount to 3.\n<|assistant|>\n<think>"
+    generated, real = [], tg.rollout
+    monkeypatch.setattr(tg, "rollout", lambda *a, **k: generated.append(real(*a, **k)) or generated[-1])
+    one, batch = [], []
+    monkeypatch.setattr(tg, "gsm8k_format_reward", lambda completion, **row: one.append(completion) or 0.0)
+    monkeypatch.setattr(tg, "gsm8k_correct_reward", lambda prompts, completions, **kw: batch.append(
+        (prompts, completions)) or [0.0] * len(completions))
+    rows = [{"prompt": ask(n) + [{"role": "assistant", "content": "<think>"}]} for n in range(20)]
+    tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", write_jsonl(tmp_path / "chat.jsonl", rows),
+                    "--max_steps", "1", "--eval_interval", "1", "--reward_funcs",
+                    "gsm8k_format_reward,gsm8k_correct_reward", "--save_dir", str(tmp_path / "run")])
+    # eval (2 held-out rows), the step (2 prompts x 2), eval again: each completion as generated, by hand
+    texts = [["<think>" + tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(comp, mask)]
+             for comp, mask, *_ in generated]
+    assert [len(t) for t in texts] == [2, 4, 2] and one == sum(texts, [])
+    assert [c for _, cs in batch for c in cs] == [[{"role": "assistant", "content": t}] for t in one]
+    assert all(p in [ask(n) for n in range(20)] for ps, _ in batch for p in ps)
+
 @pytest.mark.parametrize("content, words", [
     ("def length_reward(completion:\n", "importing"),                        # a syntax error
     ("def other(completion): return 1.0\n", "no function 'length_reward'"),

@@ -79,3 +79,16 @@ def test_fsdp_resume_continues_exactly(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     wa, wb = load_final(a), load_final(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_fsdp_old_log_probs_keep_only_the_last_hidden_state(tmp_path):
+    """mu > 1 under FSDP: the no-grad pass goes through the root's forward (it gathers the embeddings and
+    lm_head) and still keeps no layer's hidden states but the last, with the log-probs of a full-logits forward."""
+    spawn(dist_workers.fsdp_old_logps_keep_one_hidden_state, str(tmp_path))
+    for r in (0, 1):
+        got = torch.load(tmp_path / f"old_{r}.pt", weights_only=True)
+        assert got["asked"] == got["returned"] == [False]       # one forward, no per-layer hidden states
+        assert got["alive"] == [1]     # when the final norm ran, only its input: the last layer's output
+        torch.testing.assert_close(got["old"].double(), got["want"], rtol=0, atol=1e-5)
+    load = lambda r: torch.load(tmp_path / f"old_{r}.pt", weights_only=True)["want"]
+    assert not torch.equal(load(0), load(1))                    # the ranks scored different rollouts

@@ -258,6 +258,15 @@ def test_a_plain_prompt_gets_its_bos_and_a_templated_one_none_twice():
     assert am.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
 
 
+
+def test_a_cut_prompt_keeps_its_bos_and_loses_content_instead():
+    tok = bos_tokenizer()
+    chat = "<bos><|user|>abc<|assistant|>"                  # a template that writes the BOS itself
+    ids, am, n_cut = tg.tokenize_prompts(tok, ["abcab=", chat, "ba="], 4, "cpu")
+    # by hand (<bos> 2, <|user|> 4, <|assistant|> 5, a 6, b 7, c 8, '=' 9): the BOS, then the last 3 tokens
+    assert ids.tolist() == [[2, 6, 7, 9], [2, 7, 8, 5], [2, 7, 6, 9]] and am.tolist() == [[1] * 4] * 3
+    assert n_cut == 2                                        # "ba=" with its BOS is 4 tokens: not cut
+
 def test_compare_numbers_holds_out_questions_never_trained_in_either_order():
     train, held_out = tg.make_compare_task(200)
     pair = lambda r: tuple(int(x) for x in re.findall(r"\d+", r["prompt"][0]["content"]))

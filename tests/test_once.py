@@ -1,0 +1,88 @@
+"""Work done once: each prompt tokenized once a step, each completion's ids built once, the final model
+serialized once (final/ is the last checkpoint's files)."""
+import os
+
+import torch
+
+from helpers import FAST, make_run, tg, tiny
+
+ROWS = [{"prompt": "ab=", "answer": "ba"}, {"prompt": "abcdef=", "answer": "fedcba"}]  # the second is cut
+
+
+def one_step(monkeypatch, texts=None, reward=tg.reverse_reward):
+    """One real grpo_step of the tiny model on ROWS, G = 4, prompts cut at 4 tokens: its record and the prompt
+    ids and mask its rollout got. texts: a list that records every text the tokenizer is called on."""
+    model, tok = tiny()
+    if texts is not None:
+        class Spy(type(tok)):
+            def __call__(self, text, *a, **k):
+                texts.extend([text] if isinstance(text, str) else text)
+                return super().__call__(text, *a, **k)
+        tok.__class__ = Spy
+    args = tg.parse_args(["--batch_size", "2", "--num_generations", "4", "--max_gen_len", "4",
+                          "--max_prompt_len", "4"])
+    optimizer, scheduler = tg.build_optimizer(model, args)
+    run = make_run(model, tok, optimizer, reward_fns=[reward], weights=[1.0], scheduler=scheduler)
+    seen, real = [], tg.rollout
+    monkeypatch.setattr(tg, "rollout", lambda *a, **k: seen.append(a[1:3]) or real(*a, **k))
+    return tg.grpo_step(args, run, ROWS, tg.TrainState()), seen[0]
+
+
+def test_each_prompt_is_tokenized_once_a_step_and_repeated_in_contiguous_groups(monkeypatch):
+    texts = []
+    record, (prompt_ids, prompt_mask) = one_step(monkeypatch, texts)
+    assert [texts.count(r["prompt"]) for r in ROWS] == [1, 1]                  # B calls' worth, not B x G
+    # by hand (<pad> 0, a 3, b 4, c 5, d 6, e 7, f 8, '=' 11): "ab=" left-padded, "abcdef=" cut to its end
+    assert prompt_ids.tolist() == [[0, 3, 4, 11]] * 4 + [[6, 7, 8, 11]] * 4
+    assert prompt_mask.tolist() == [[0, 1, 1, 1]] * 4 + [[1, 1, 1, 1]] * 4
+    assert record["truncated_prompts"] == 1                                    # prompts, not completions
+
+
+def test_the_completion_ids_are_built_once_a_step_and_an_eval_batch_and_the_texts_decoded_from_them(monkeypatch):
+    calls, real = [], tg.completion_token_ids
+    monkeypatch.setattr(tg, "completion_token_ids", lambda *a: calls.append(a) or real(*a))
+    given = []
+
+    def batched(completions, completion_ids, **row):  # TRL's form: sees both
+        given.append((completions, completion_ids))
+        return [0.0] * len(completions)
+    one_step(monkeypatch, reward=batched)
+    assert len(calls) == 1
+    (texts, ids), = given
+    model, tok = tiny()
+    (comp, mask), = calls
+    assert ids == [c[m.bool()].tolist() for c, m in zip(comp, mask)]         # up to and including the EOS
+    assert texts == [tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(comp, mask)]
+    calls.clear()
+    score = lambda texts, rows, ids: [float(t == tok.decode(i, skip_special_tokens=True)) for t, i in zip(texts, ids)]
+    assert tg.evaluate(model, tok, ROWS, score, tg.Args(max_gen_len=4), 0, 1, "cpu") == 1.0
+    assert len(calls) == 1                                                     # one eval batch: once
+
+
+def test_the_final_model_is_serialized_once_final_is_the_last_checkpoints_files(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+    saved, real = [], PreTrainedModel.save_pretrained
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained",
+                        lambda self, where, *a, **k: saved.append(os.path.basename(where)) or real(self, where, *a, **k))
+    trained = tg.main(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path)])["model"].state_dict()
+    assert saved == ["checkpoint-2.tmp"]                          # the weights written once, for the checkpoint
+    final, ckpt = tmp_path / "final", tmp_path / "checkpoint-2"
+    assert not list(final.glob("*.pt")) and AutoTokenizer.from_pretrained(final)("ab=").input_ids == [3, 4, 11]
+    weights = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    assert weights.keys() == trained.keys() and all(torch.equal(weights[k], trained[k]) for k in trained)
+    assert os.path.samefile(final / "model.safetensors", ckpt / "model.safetensors")   # a hard link: no copy
+    # where hard links fail, a copy: the same plain folder
+    def no_links(*a):
+        raise OSError("this file system has no hard links")
+    monkeypatch.setattr(os, "link", no_links)
+    args = tg.parse_args(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path)])
+    tg.finish(args, None, None, tg.TrainState(step=2), tmp_path / "metrics.jsonl", "eval_accuracy", 0.0, 0)
+    assert not os.path.samefile(final / "model.safetensors", ckpt / "model.safetensors")
+    weights = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    assert all(torch.equal(weights[k], trained[k]) for k in trained)
+    # a run resumed from that finished checkpoint into another folder trains nothing: final/ is its files
+    args = tg.parse_args(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path / "b"), "--resume", str(ckpt)])
+    os.makedirs(tmp_path / "b")
+    tg.finish(args, None, None, tg.TrainState(step=2), tmp_path / "metrics.jsonl", "eval_accuracy", 0.0, 0)
+    weights = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "final").state_dict()
+    assert all(torch.equal(weights[k], trained[k]) for k in trained)
