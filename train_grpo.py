@@ -67,57 +67,44 @@ def opt(default, help, **kw):
 @dataclass
 class Args:
     # what to train
-    loss_type: str = opt("grpo", "normalization of the objective (README: The math, stage 9)",
-                         choices=LOSS_TYPES)
+    loss_type: str = opt("grpo", "normalization (README: The math, stage 9)", choices=LOSS_TYPES)
     use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint "
                        "is MoE)", choices=(0, 1))
-    model_name_or_path: str = opt("", "hub name, local dir, or a .gguf file for from_pretrained; "
-                                  "empty: build a tiny model")
+    model_name_or_path: str = opt("", "hub name, local dir or .gguf file; empty: a tiny model")
     dataset: str = opt("", "compare_numbers (built-in, for instruct models), gsm8k, a hub "
                        "dataset or a .jsonl/.json/.parquet file; empty: the reversal task")
     question_field: str = opt("question", "field of a question, sent with GSM8K's system prompt "
                               "(wins over a 'prompt' field: text or chat messages, used as is)")
-    answer_field: str = opt("answer", "dataset field holding the reference answer (optional with "
-                            "'prompt')")
+    answer_field: str = opt("answer", "column of the reference answer (optional with 'prompt')")
     reward_funcs: str = opt("", "comma-separated file.py:name or train_grpo names: f(completion, "
-                            "**row) -> float, or TRL's batched f(prompts, completions, "
-                            "completion_ids, **columns) -> list (a parameter named 'completions'"
-                            "); None: does not apply; empty: the task's own")
-    reward_weights: str = opt("", "comma-separated weight per reward function; empty: the task's "
-                              "own (1.0 each with --reward_funcs)")
-    trust_remote_code: int = opt(0, "1: let from_pretrained run code shipped with the model",
-                                 choices=(0, 1))
+                            "**row) -> float (None: does not apply), or TRL's batched f(prompts, "
+                            "completions, ...) -> list; empty: the task's own")
+    reward_weights: str = opt("", "comma-separated; empty: task's own (1 each for --reward_funcs)")
+    trust_remote_code: int = opt(0, "1: let from_pretrained run the model's code", choices=(0, 1))
     # rollout
     num_generations: int = opt(8, "G: completions sampled per prompt (a group)")
     batch_size: int = opt(16, "B: prompts per rank per step (so B*G rows)")
-    micro_batch_size: int = opt(0, "rows per forward/backward; 0: auto (tiny model: all B*G; a "
-                                "real one: what fits --micro_batch_tokens)")
+    micro_batch_size: int = opt(0, "rows per forward/backward; 0: auto (fits --micro_batch_tokens)")
     micro_batch_tokens: int = opt(16384, "auto micro-batches: at most rows x length tokens")
     max_prompt_len: int = opt(256, "prompt tokens kept (longer prompts are left-truncated)")
     max_gen_len: int = opt(8, "L_max: new tokens per completion")
     temperature: float = opt(1.0, "sampling temperature (log-probs use the same one)")
     top_p: float = opt(1.0, "nucleus sampling threshold")
     top_k: int = opt(0, "top-k sampling; 0: off")
-    mask_truncated_completions: int = opt(0, "1: completions that never emit EOS get a zero mask",
-                                          choices=(0, 1))
+    mask_truncated_completions: int = opt(0, "1: mask completions that lack an EOS", choices=(0, 1))
     # objective
     beta: float = opt(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
     epsilon: float = opt(0.2, "lower clip: ratio >= 1 - epsilon")
     epsilon_high: float = opt(-1.0, "upper clip (cispo: weight cap); -1: epsilon (cispo: 5.0)")
-    num_iterations: int = opt(1, "mu: updates per rollout; > 1 computes old log-probs once per "
-                              "rollout")
+    num_iterations: int = opt(1, "mu: updates per rollout (old log-probs computed once)")
     scale_rewards: str = opt("group", "advantage divisor: group std, batch std or none",
                              choices=("group", "batch", "none"))
-    importance_sampling_level: str = opt("token", "the ratio: per token, or per sequence, exp("
-                                         "its tokens' mean of logp - old) (GSPO; for grpo, not "
-                                         "cispo)", choices=("token", "sequence"))
+    importance_sampling_level: str = opt("token", "ratio per token or per sequence (GSPO: exp(mean "
+                                         "logp - old); not cispo)", choices=("token", "sequence"))
     # log-probs and entropy (README: The math, stages 7, 10-11)
-    logp_chunk_size: int = opt(0, "tokens per lm_head chunk for log-probs (recomputed in "
-                               "backward); 0: auto, a chunk's fp32 logits within 64 MiB")
-    entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start "
-                              "value if adaptive")
-    use_adaptive_entropy: int = opt(0, "1: adapt the coefficient toward --entropy_target "
-                                    "(Skywork-OR1)", choices=(0, 1))
+    logp_chunk_size: int = opt(0, "tokens per lm_head chunk for log-probs; 0: auto (64 MiB fp32)")
+    entropy_coef: float = opt(0.0, "entropy bonus alpha (< 0 lowers entropy); adaptive: its start")
+    use_adaptive_entropy: int = opt(0, "1: adapt alpha toward --entropy_target", choices=(0, 1))
     entropy_target: float = opt(0.2, "adaptive: target world entropy (nats per token)")
     entropy_coef_delta: float = opt(1e-4, "adaptive: coefficient change per GRPO step")
     entropy_coef_min: float = opt(0.0, "adaptive: lower bound of the coefficient")
@@ -126,34 +113,28 @@ class Args:
     max_steps: int = opt(200, "GRPO steps (each makes --num_iterations optimizer updates)")
     learning_rate: float = opt(2e-4, "AdamW learning rate of the GRPO updates")
     weight_decay: float = opt(0.0, "AdamW weight decay")
-    lr_scheduler: str = opt("constant", "constant or cosine, after linear warmup",
-                            choices=("constant", "cosine"))
+    lr_scheduler: str = opt("constant", "after linear warmup", choices=("constant", "cosine"))
     warmup_steps: int = opt(0, "linear learning-rate warmup steps")
     grad_clip: float = opt(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
-    skip_zero_advantage_rows: int = opt(1, "1: rows with advantage 0 skip the forwards and the "
-                                        "backward (the same update); never with --beta > 0, an "
-                                        "entropy bonus, --use_moe 1 or bnpo (such rows count "
-                                        "there)", choices=(0, 1))
-    gradient_checkpointing: int = opt(-1, "1: recompute layers in backward; -1: on for "
-                                      "--model_name_or_path, off for the tiny model",
-                                      choices=(-1, 0, 1))
-    sft_warmup_steps: int = opt(200, "built-in task only: supervised steps before the first eval "
-                                "and GRPO")
+    skip_zero_advantage_rows: int = opt(1, "1: rows with advantage 0 skip forward and backward "
+                                        "(the same update); off under --beta > 0, an entropy "
+                                        "bonus, --use_moe 1, bnpo", choices=(0, 1))
+    gradient_checkpointing: int = opt(-1, "1: recompute layers in backward; -1: on with "
+                                      "--model_name_or_path, else off", choices=(-1, 0, 1))
+    sft_warmup_steps: int = opt(200, "built-in task only: supervised steps before eval and GRPO")
     sft_learning_rate: float = opt(1e-3, "learning rate of the supervised warmup")
     # bookkeeping
     seed: int = opt(0, "seed for model init, data order and sampling")
     save_dir: str = opt("runs/grpo", "metrics.jsonl, checkpoints and the final model go here")
     save_interval: int = opt(0, "write checkpoint-<step> every N steps; 0: only at the end")
     resume: str = opt("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
-    eval_interval: int = opt(50, "held-out greedy accuracy (eval_reward with --reward_funcs) "
-                             "every N steps (and before/after training); 0: off")
+    eval_interval: int = opt(50, "held-out greedy eval every N steps, and before/after; 0: off")
     eval_size: int = opt(256, "held-out prompts (a file without a test split: its first rows)")
     dtype: str = opt("float32", "compute dtype under autocast (weights and AdamW state stay "
                      "float32)", choices=("float32", "bfloat16", "float16"))
     cast_lm_head_to_fp32: int = opt(0, "1: under bf16/fp16 the lm_head matmul runs in fp32, in "
                                     "generate and the trainer; not with --fsdp 1", choices=(0, 1))
-    fsdp: int = opt(0, "1: shard parameters, gradients and optimizer state over the ranks with "
-                    "FSDP2 (fully_shard) instead of replicating them with DDP", choices=(0, 1))
+    fsdp: int = opt(0, "1: shard weights, gradients, AdamW state (FSDP2); 0: DDP", choices=(0, 1))
     rollout_cache: str = opt("auto", "generate's KV cache: static (compiled decode), dynamic, or "
                              "auto (static on CUDA)", choices=("auto", "static", "dynamic"))
     device: str = opt("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
@@ -167,16 +148,14 @@ class Args:
             self.epsilon_high = default_epsilon_high(self.loss_type, self.epsilon)
 
 
-# Effective defaults. A task's own sizes replace Args' defaults (a flag given on the command line
-# wins; --help and the start of a run print them): compare_numbers, sized for a 2-core CPU
+# A task's own sizes replace Args' defaults (a flag typed wins): compare_numbers, for a 2-core CPU
 TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, num_generations=8, max_gen_len=8,
                                          max_prompt_len=128, learning_rate=2e-5, max_steps=40,
                                          eval_interval=10, eval_size=200)}
 
 
 def default_epsilon_high(loss_type, epsilon):
-    # --epsilon_high -1: the clip's upper offset (ratio <= 1 + eps_h) is epsilon; cispo's weight
-    # cap (min(r, eps_h): the cap itself, not an offset) is 5.0
+    # -1: the upper offset (ratio <= 1 + eps_h) is epsilon; cispo's cap (min(r, eps_h)) is 5.0
     return 5.0 if loss_type == "cispo" else epsilon
 
 
@@ -819,7 +798,7 @@ def check_args(a):
                 "sft_learning_rate micro_batch_tokens temperature").split()
     non_negative = ("micro_batch_size logp_chunk_size top_k beta weight_decay warmup_steps "
                     "grad_clip sft_warmup_steps save_interval eval_interval eval_size stop_after "
-                    "entropy_coef_delta entropy_coef_min entropy_target").split()
+                    "entropy_coef_delta entropy_coef_min entropy_target epsilon_high").split()
     rows = a.batch_size * a.num_generations
     rules = [  # (the condition that must hold, the message when it does not)
         (a.num_generations >= 2, "--num_generations must be >= 2 (a group of one has no "
@@ -832,12 +811,9 @@ def check_args(a):
          f"--eval_interval {a.eval_interval} evaluates held-out prompts, but --eval_size 0 holds "
          "none out (set --eval_interval 0, or --eval_size > 0)"),
         (0 <= a.epsilon < 1, f"--epsilon must be in [0, 1), got {a.epsilon}"),
-        (a.epsilon_high >= 0 or a.epsilon_high == -1.0,
-         f"--epsilon_high must be >= 0 (or -1: default), got {a.epsilon_high}"),
         (0 < a.top_p <= 1, f"--top_p must be in (0, 1], got {a.top_p}"),
         (a.importance_sampling_level == "token" or a.loss_type != "cispo",
-         "--importance_sampling_level sequence is GSPO's clipped ratio; cispo's weight is per "
-         "token (as in TRL): use --loss_type grpo"),
+         "--importance_sampling_level sequence (GSPO) is for --loss_type grpo, not cispo (as TRL)"),
         (not (a.cast_lm_head_to_fp32 and a.fsdp), "--cast_lm_head_to_fp32 1 with --fsdp 1: FSDP "
          "gathers the lm_head in --dtype, so it would not be an fp32 head; use DDP (--fsdp 0)"),
         (a.entropy_coef_min <= a.entropy_coef_max, f"--entropy_coef_min {a.entropy_coef_min} "
@@ -858,8 +834,7 @@ def check_args(a):
         try:
             weights = [float(w) for w in a.reward_weights.split(",")]
         except ValueError:
-            yield (f"--reward_weights {a.reward_weights!r}: expected comma-separated numbers such "
-                   "as 1,0.1")
+            yield f"--reward_weights {a.reward_weights!r}: expected comma-separated numbers (1,0.1)"
             return
         names = (a.reward_funcs.split(",") if a.reward_funcs else
                  [f.__name__ for f in task_rewards(a)[0]])
