@@ -68,13 +68,11 @@ def opt(default, help, **kw):
 class Args:
     # what to train
     loss_type: str = opt("grpo", "normalization (README: The math, stage 9)", choices=LOSS_TYPES)
-    use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint "
-                       "is MoE)", choices=(0, 1))
+    use_moe: int = opt(0, "1: an MoE model (tiny Qwen3-MoE; a given one checked)", choices=(0, 1))
     model_name_or_path: str = opt("", "hub name, local dir or .gguf file; empty: a tiny model")
     dataset: str = opt("", "compare_numbers (built-in, for instruct models), gsm8k, a hub "
                        "dataset or a .jsonl/.json/.parquet file; empty: the reversal task")
-    question_field: str = opt("question", "field of a question, sent with GSM8K's system prompt "
-                              "(wins over a 'prompt' field: text or chat messages, used as is)")
+    question_field: str = opt("question", "question column (GSM8K's system prompt; over 'prompt')")
     answer_field: str = opt("answer", "column of the reference answer (optional with 'prompt')")
     reward_funcs: str = opt("", "comma-separated file.py:name or train_grpo names: f(completion, "
                             "**row) -> float (None: does not apply), or TRL's batched f(prompts, "
@@ -132,15 +130,13 @@ class Args:
     eval_size: int = opt(256, "held-out prompts (a file without a test split: its first rows)")
     dtype: str = opt("float32", "compute dtype under autocast (weights and AdamW state stay "
                      "float32)", choices=("float32", "bfloat16", "float16"))
-    cast_lm_head_to_fp32: int = opt(0, "1: under bf16/fp16 the lm_head matmul runs in fp32, in "
-                                    "generate and the trainer; not with --fsdp 1", choices=(0, 1))
+    cast_lm_head_to_fp32: int = opt(0, "1: fp32 lm_head under bf16/fp16 (not FSDP)", choices=(0, 1))
     fsdp: int = opt(0, "1: shard weights, gradients, AdamW state (FSDP2); 0: DDP", choices=(0, 1))
     rollout_cache: str = opt("auto", "generate's KV cache: static (compiled decode), dynamic, or "
                              "auto (static on CUDA)", choices=("auto", "static", "dynamic"))
     device: str = opt("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
     stop_after: int = opt(0, "stop (as if interrupted) after this step; 0: run to max_steps")
-    report_to: str = opt("none", "also log each step's record to wandb or tensorboard (optional "
-                         "packages)", choices=("none", "wandb", "tensorboard"))
+    report_to: str = opt("none", "also log each step", choices=("none", "wandb", "tensorboard"))
     run_name: str = opt("", "name of the run in wandb/tensorboard; empty: the save_dir's name")
 
     def __post_init__(self):  # whoever builds an Args (parse_args, a test, a fork) gets the rule
@@ -1046,9 +1042,8 @@ def load_rows(args):
 
 
 def render_prompt(tokenizer, row, args):
-    """A dataset row -> the prompt text: a question with GSM8K's system prompt, chat messages
-    through the chat template (a question as plain text without one), a text 'prompt' as is. Chat
-    messages that end with an assistant's (a prefill, "<think>") continue it, as TRL."""
+    """A row's prompt text: its question with GSM8K's system prompt (through the chat template if
+    any), its 'prompt' as is (text) or through the chat template (messages)."""
     template = getattr(tokenizer, "chat_template", None)
     if args.question_field in row:
         question = row[args.question_field]
@@ -1063,7 +1058,7 @@ def render_prompt(tokenizer, row, args):
         if not template:
             raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no "
                                "chat template")
-    prefill = prompt[-1]["role"] == "assistant"  # the completion goes on from it: no new turn
+    prefill = prompt[-1]["role"] == "assistant"  # "<think>": the completion goes on, as TRL
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not prefill,
                                          continue_final_message=prefill)
 
@@ -1076,8 +1071,7 @@ def chat_prefill(row):
 
 
 def given_prompt(tokenizer, row, args):
-    """A row as the rewards see it: every column as the dataset has it (an int stays an int), its
-    'prompt' the text the model is given, the dataset's own kept for TRL's batched rewards."""
+    """A row as the rewards see it: its columns as the dataset has them, 'prompt' rendered."""
     given = {**row, "prompt": render_prompt(tokenizer, row, args)}
     if args.question_field not in row:
         given[DATASET_PROMPT] = row["prompt"]
@@ -1093,8 +1087,7 @@ def answer_from(fn, field):
 
 
 def load_task(args, tokenizer, world):
-    """Train and eval rows (dicts, as given_prompt makes them), the reward functions, their weights,
-    and the held-out score: its name and score(texts, rows, completion_ids) -> a number each."""
+    """Train and eval rows, reward functions, weights, (name, score(texts, rows, ids) -> a list)."""
     if not args.dataset:
         train_rows, eval_rows = make_reverse_task(args.eval_size)
     else:
@@ -1284,9 +1277,8 @@ def disable_dropout(model):
 
 
 def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
-    """Built-in task only: supervised steps (teacher forcing) so the tiny model earns some reward,
-    batch_size rows per step however many ranks share them (torchrun starts from the one-process
-    run's warm start). The GRPO update's rule: fp16 loss scaling, clip at 1, skips by all ranks."""
+    """Built-in task: supervised steps so the tiny model earns some reward, batch_size rows a step
+    on any number of ranks (the same warm start); fp16 scaling, clip at 1, skips as in GRPO."""
     if args.batch_size < world:  # a rank with no row would have no loss (and DDP no gradient)
         raise TrainerError(f"the supervised warm-up shares --batch_size {args.batch_size} rows "
                            f"among {world} ranks, one at least each: use --batch_size >= {world} "
@@ -1300,8 +1292,7 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
         ids, am, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len,
                                       device)
         answers = [tokenizer(r["answer"], add_special_tokens=False).input_ids for r in rows]
-        target = torch.tensor([a + [tokenizer.eos_token_id] for a in answers],
-                              device=device)                                      # [B, len+1]
+        target = torch.tensor([a + [tokenizer.eos_token_id] for a in answers], device=device)
         with autocast(args, device):
             logps, _, aux = completion_logps(
                 model, torch.cat([ids, target], 1), torch.cat([am, torch.ones_like(target)], 1),
@@ -1328,8 +1319,7 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 
 # --- Reward functions: the two ways one is called (per sample; TRL's batched form) ----------------
 def reward_values(fn, completions, completion_ids, rows):
-    """One reward function's value (or None) per sample: f(completion, **row) once per sample, or
-    TRL's batched form, recognised by a parameter named `completions`, once on all of them."""
+    """fn's value (or None) per sample: f(completion, **row) each, or TRL's batched form."""
     if "completions" not in inspect.signature(fn).parameters:
         values = []
         for i, (c, row) in enumerate(zip(completions, rows)):
@@ -1357,8 +1347,7 @@ def sample_name(i, completion, row):
 
 
 def call_reward(fn, /, *args, **kwargs):
-    # f(*args, **kwargs), the keyword arguments f names (all of them if it takes **kwargs); fn is
-    # positional-only, so a dataset column may be named fn
+    # only the keywords fn names (all if it takes **kwargs); positional-only: a column may be "fn"
     params = inspect.signature(fn).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
@@ -1366,9 +1355,8 @@ def call_reward(fn, /, *args, **kwargs):
 
 
 def call_batched_reward(fn, completions, completion_ids, rows):
-    """TRL's call: f(prompts=[...], completions=[...], completion_ids=[...], **columns), the other
-    columns as lists; chat prompts stay message lists, a completion [{"role": "assistant", ...}]
-    whose content starts with the prefill, popped from its prompt."""
+    """TRL's call: f(prompts, completions, completion_ids, **other columns), each a list; a chat
+    prompt stays messages, its prefill moved to its completion [{"role": "assistant", ...}]."""
     prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
     if not isinstance(prompts[0], str):  # conversational
         prompts = [p[:-1] if p[-1]["role"] == "assistant" else p for p in prompts]
@@ -1381,8 +1369,7 @@ def call_batched_reward(fn, completions, completion_ids, rows):
 
 # --- The loop's tools: data order, optimizer, schedule, loss scale, micro-batches, decoding -------
 def set_up(args, rank, world, device):
-    """Seeds, the policy and its tokenizer, the task, this rank's data order, the DDP/FSDP wrapper
-    (`model`; `policy` is the bare model), and the built-in task's supervised warm-up."""
+    """Seeds; the bare policy, its DDP/FSDP `model`, tokenizer, task, data order; the warm-up."""
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
@@ -1390,8 +1377,7 @@ def set_up(args, rank, world, device):
     task = load_task(args, tokenizer, world)
     train_rows, eval_rows = task[:2]
     if rank == 0:  # what the run trains on, said as it starts: the split, a task's defaults
-        print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never "
-              "trained on")
+        print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out, never trained on")
         if args.dataset in TASK_DEFAULTS:
             print(f"--dataset {args.dataset} sizes in effect (the task's defaults unless typed): "
                   + ", ".join(f"--{n} {getattr(args, n)}" for n in TASK_DEFAULTS[args.dataset]))
@@ -1442,8 +1428,7 @@ def loss_scaler(dtype, device):
 
 
 def auto_micro_batch(rows, width, args):
-    """Rows per micro-batch when --micro_batch_size is 0: all of them for the built-in model; for
-    a real model the largest divisor of rows whose micro-batch holds <= --micro_batch_tokens."""
+    """Tiny model: all rows; else the largest divisor of rows within --micro_batch_tokens."""
     if not args.model_name_or_path:
         return rows
     fits = [d for d in range(1, rows + 1) if rows % d == 0 and d * width <= args.micro_batch_tokens]
@@ -1452,13 +1437,11 @@ def auto_micro_batch(rows, width, args):
 
 def plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eos, sampler,
                    static_cache):
-    """The new tokens [rows, T] of policy.generate in eval mode, with no sampling rule of its own
-    (SamplerLogps applies them; greedy when sampler is None) and none of the checkpoint's
-    generation_config. static_cache: a fixed-size KV cache whose decode step transformers compiles
-    on CUDA (reading the parameters as inputs, so it sees every update)."""
+    """policy.generate's new tokens [rows, T] in eval mode, sampled by sampler alone (None: greedy),
+    not the checkpoint's generation_config. static_cache: compiled decode (its inputs: the weights,
+    so it sees every update)."""
     from transformers import GenerationConfig, LogitsProcessorList
-    # generate's own temperature/top-k/top-p off (top_k 0, not the library's default 50); greedy
-    # sets none (transformers warns of sampling flags when greedy)
+    # generate's own sampling off (top_k 0, not its default 50); greedy: none (else it warns)
     off = dict(temperature=1.0, top_p=1.0, top_k=0) if sampler else {}
     config = GenerationConfig(max_new_tokens=max_gen_len, do_sample=sampler is not None, **off,
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
@@ -1484,8 +1467,7 @@ def plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eo
 
 
 def eos_token_ids(model, tokenizer):
-    """Every id that ends a completion: the tokenizer's EOS and the generation config's (Qwen2.5-
-    Instruct: <|im_end|> and <|endoftext|>; Llama-3-Instruct: three ids)."""
+    """The ids that end a completion: the tokenizer's EOS, the generation config's (Llama-3: 3)."""
     declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     declared = declared if isinstance(declared, (list, tuple)) else [declared]
     return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
@@ -1497,8 +1479,7 @@ def completion_token_ids(completion_ids, mask):
 
 
 def decode_completions(tokenizer, ids, rows):
-    # each completion's text (ids: completion_token_ids'), after its chat prompt's prefill if any:
-    # as TRL, the rewards and the eval see the assistant's message whole
+    # after its chat prompt's prefill if any: as TRL, rewards and eval see the whole message
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     return [chat_prefill(row) + text for row, text in zip(rows, texts)]
 
@@ -1545,8 +1526,7 @@ class gathered:
 
 
 def autocast(args, device):
-    # compute in --dtype, the weights fp32: a matmul reads a bf16 copy, AdamW updates the fp32
-    # master (a 1e-6 step on a bf16 weight of 0.02 rounds away: spacing ~1e-4)
+    # fp32 weights, --dtype matmuls: a 1e-6 step on a bf16 weight of 0.02 would round away
     dtype = getattr(torch, args.dtype)
     return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -1562,9 +1542,8 @@ def use_static_cache(args, device):
 
 
 def wrap_ddp(model, device):
-    """The graph forward goes through this wrapper (its hooks all-reduce gradients); generate() does
-    not. Qwen3-MoE keeps a layer's experts in one 3-D parameter (an expert without tokens still gets
-    a zero gradient slice); a model with one module per expert needs find_unused_parameters."""
+    """The graph forward goes through it (its hooks all-reduce gradients), generate() not. One
+    module per expert needs find_unused_parameters (Qwen3-MoE fuses them: zero gradient slices)."""
     per_expert_modules = any(isinstance(m, torch.nn.ModuleList) and name.endswith("experts")
                              for name, m in model.named_modules())
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -1572,9 +1551,8 @@ def wrap_ddp(model, device):
 
 
 def shard_fsdp(model, args, world):
-    """FSDP2: each decoder layer, then the root (embeddings, final norm, lm_head), becomes a unit
-    whose parameters, gradients and AdamW state live 1/world on each rank. Forward all-gathers the
-    parameters (in --dtype; fp32 sharded masters), backward reduce-scatters the gradients (fp32)."""
+    """FSDP2 units: each decoder layer, then the root; 1/world of each on a rank. Forward gathers
+    the weights in --dtype (fp32 masters), backward reduce-scatters the gradients in fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(next(model.parameters()).device.type, (world,))
@@ -1588,8 +1566,7 @@ def shard_fsdp(model, args, world):
 
 
 def clip_grad_norm(model, max_norm):
-    """The global grad norm, the gradients scaled down to max_norm if it is above (0: no clip).
-    Under FSDP the norm comes back as a DTensor: made the whole world's number on every rank."""
+    """The global grad norm (FSDP's DTensor made the world's), clipped to max_norm (0: no clip)."""
     max_norm = max_norm if max_norm > 0 else math.inf
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -1604,12 +1581,9 @@ def sync_gradients(model, on):
 
 
 def update_is_finite(scaler, state, loss, grad_norm, device, in_a_row):
-    """Stage 13's world decision: True when no rank's loss or grad norm is inf or NaN (the caller
-    then steps AdamW). A skip is counted in state.skipped_steps (updates: mu per step), and under
-    fp16 halves the scaler's scale on every rank. An overflow the scale can still cure is the
-    scaler's normal work; a non-finite loss, or an overflow at MIN_LOSS_SCALE, makes this step a
-    failing one: state.bad_in_a_row = in_a_row (failing steps right before it) + 1, however many
-    of its updates fail (the caller sets it to 0 as the step starts)."""
+    """Stage 13, one world decision: True when no rank's loss or grad norm is inf/NaN. A skipped
+    update is counted and (fp16) halves every rank's scale; a non-finite loss, or an overflow at
+    MIN_LOSS_SCALE, makes the step failing: bad_in_a_row = in_a_row (failing steps before) + 1."""
     bad_loss, bad_norm = world_sum(not math.isfinite(loss), not torch.isfinite(grad_norm),
                                    device=device)
     if bad_loss + bad_norm == 0:
@@ -1626,8 +1600,7 @@ def update_is_finite(scaler, state, loss, grad_norm, device, in_a_row):
 
 
 def full_state_dict(model, every_rank=False):
-    """The whole model's parameters as plain tensors. Under FSDP a collective that gathers them
-    from every rank: to rank 0 in CPU memory (saving), or to each rank's device (every_rank)."""
+    """The whole model's tensors; FSDP: a collective, to rank 0's CPU or every rank's device."""
     if not is_fsdp(model):
         return unwrap(model).state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -1686,9 +1659,8 @@ def set_rng_state(state):
 
 
 def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank, optimizer_shard=None):
-    """save_dir/checkpoint-<step>/: model.safetensors + config + tokenizer, trainer_state.pt,
-    rng_state_<rank>.pt (and under FSDP optimizer_<rank>.pt, each rank's shard of AdamW's state).
-    The weights are gathered to rank 0 and saved whole, so plain from_pretrained loads them."""
+    """save_dir/checkpoint-<step>/: the whole model (from_pretrained loads it), trainer_state.pt,
+    rng_state_<rank>.pt, under FSDP optimizer_<rank>.pt (each rank's shard of AdamW's state)."""
     weights = full_state_dict(model)  # a collective under FSDP: every rank takes part
     final = os.path.join(save_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
@@ -1730,9 +1702,8 @@ def find_checkpoint(save_dir):
 
 
 def load_weights(model, ckpt, trust_remote_code=False):
-    """Checkpoint weights into model, refused when saved from a model of another shape. Read through
-    from_pretrained: only its loader converts back a layout saved unlike the one held (MoE experts:
-    one tensor each on disk, one fused tensor per layer in memory)."""
+    """Checkpoint weights into model (of the same shapes), read by from_pretrained: its loader fuses
+    MoE experts back (one tensor each on disk, one per layer in memory)."""
     from transformers import AutoModelForCausalLM
     if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
         raise TrainerError(f"checkpoint {ckpt} has no model.safetensors")
@@ -1894,9 +1865,8 @@ def sampler_mismatch(gap, mask, device="cpu"):
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=256):
-    """Mean over the held-out rows, all ranks together, of score(texts, rows, completion_ids), one
-    number per greedy completion. Every rank runs as many rollouts as the busiest (under FSDP each
-    gathers the weights, a collective): a rank out of rows generates for a stand-in, unscored."""
+    """The world mean of score() over greedy completions of the held-out rows. Every rank runs as
+    many rollouts (FSDP: collectives) as the busiest: one out of rows generates for a stand-in."""
     mine = eval_rows[rank::world]
     correct = 0.0
     for b in range(int(world_max(math.ceil(len(mine) / batch), device=device)[0])):
@@ -1949,9 +1919,8 @@ def log_metrics(metrics_path, record, rank, report=None):
 
 
 def open_report(args, rank, resumed_at=None):
-    """--report_to: (send(record), close()) for wandb or TensorBoard on rank 0, else (None, None);
-    neither is a requirement. A resumed run continues the same run: TensorBoard purges the points
-    after the checkpoint; wandb reopens the run by the id kept in save_dir (keeping its points)."""
+    """--report_to's (send(record), close()) on rank 0, else (None, None). A resume continues the
+    run: TensorBoard purges points after the checkpoint; wandb reopens it by the id in save_dir."""
     if args.report_to == "none" or rank != 0:
         return None, None
     name = args.run_name or os.path.basename(os.path.normpath(args.save_dir))
@@ -1979,9 +1948,8 @@ def open_report(args, rank, resumed_at=None):
 
 
 def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank):
-    """Rank 0: the final model as a plain transformers directory, and one summary line. The last
-    step's checkpoint holds it already: final/ gets its files (all but the .pt trainer state) as
-    hard links (a copy where links fail), so the weights are serialized once."""
+    """Rank 0: final/, the last checkpoint's transformers files as hard links (a copy where links
+    fail; the weights are serialized once), and one summary line."""
     if rank != 0:
         return
     where = find_checkpoint(args.save_dir)
@@ -2017,8 +1985,7 @@ def main(argv=None):
 
 
 def cli(argv=None):
-    """The command line: train; a problem with the user's input is one line `error: ...` and exit
-    status 1 (a bad flag: exit status 2, from the parser)."""
+    """A problem with the user's input: one line `error: ...`, exit status 1 (a bad flag: 2)."""
     try:
         main(argv)
     except TrainerError as e:
