@@ -74,9 +74,8 @@ class Args:
                        "dataset or a .jsonl/.json/.parquet file; empty: the reversal task")
     question_field: str = opt("question", "question column (GSM8K's system prompt; over 'prompt')")
     answer_field: str = opt("answer", "column of the reference answer (optional with 'prompt')")
-    reward_funcs: str = opt("", "comma-separated file.py:name or train_grpo names: f(completion, "
-                            "**row) -> float (None: does not apply), or TRL's batched f(prompts, "
-                            "completions, ...) -> list; empty: the task's own")
+    reward_funcs: str = opt("", "file.py:name or built-in names, by commas: f(completion, **row) "
+                            "-> float or None, or TRL's batched form; empty: the task's own")
     reward_weights: str = opt("", "comma-separated; empty: task's own (1 each for --reward_funcs)")
     trust_remote_code: int = opt(0, "1: let from_pretrained run the model's code", choices=(0, 1))
     # rollout
@@ -114,9 +113,8 @@ class Args:
     lr_scheduler: str = opt("constant", "after linear warmup", choices=("constant", "cosine"))
     warmup_steps: int = opt(0, "linear learning-rate warmup steps")
     grad_clip: float = opt(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
-    skip_zero_advantage_rows: int = opt(1, "1: rows with advantage 0 skip forward and backward "
-                                        "(the same update); off under --beta > 0, an entropy "
-                                        "bonus, --use_moe 1, bnpo", choices=(0, 1))
+    skip_zero_advantage_rows: int = opt(1, "1: zero-advantage rows skip forward/backward (same "
+                                        "update; off under beta/entropy/MoE/bnpo)", choices=(0, 1))
     gradient_checkpointing: int = opt(-1, "1: recompute layers in backward; -1: on with "
                                       "--model_name_or_path, else off", choices=(-1, 0, 1))
     sft_warmup_steps: int = opt(200, "built-in task only: supervised steps before eval and GRPO")
@@ -797,8 +795,7 @@ def check_args(a):
                     "entropy_coef_delta entropy_coef_min entropy_target epsilon_high").split()
     rows = a.batch_size * a.num_generations
     rules = [  # (the condition that must hold, the message when it does not)
-        (a.num_generations >= 2, "--num_generations must be >= 2 (a group of one has no "
-         f"baseline), got {a.num_generations}"),
+        (a.num_generations >= 2, "--num_generations must be >= 2 (a group of 1 has no baseline)"),
         *[(getattr(a, n) > 0, f"--{n} must be > 0, got {getattr(a, n)}") for n in positive],
         *[(getattr(a, n) >= 0, f"--{n} must be >= 0, got {getattr(a, n)}") for n in non_negative],
         (not a.micro_batch_size or rows % a.micro_batch_size == 0, f"--micro_batch_size "
@@ -1110,7 +1107,6 @@ def load_task(args, tokenizer, world):
     def score(texts, rows, ids):
         if args.reward_funcs:  # their weighted sum; a batched function sees groups of one
             return compute_rewards(reward_fns, weights, texts, rows, ids).tolist()
-        # the share of completions whose correctness reward is 1.0
         return [float(is_correct(t, r[answer_key]) == 1.0) for t, r in zip(texts, rows)]
     key = "eval_reward" if args.reward_funcs else "eval_accuracy"
     return train_rows, eval_rows, reward_fns, weights, (key, score)
@@ -1438,8 +1434,7 @@ def auto_micro_batch(rows, width, args):
 def plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eos, sampler,
                    static_cache):
     """policy.generate's new tokens [rows, T] in eval mode, sampled by sampler alone (None: greedy),
-    not the checkpoint's generation_config. static_cache: compiled decode (its inputs: the weights,
-    so it sees every update)."""
+    not the checkpoint's generation_config. static_cache: compiled decode (reading the weights)."""
     from transformers import GenerationConfig, LogitsProcessorList
     # generate's own sampling off (top_k 0, not its default 50); greedy: none (else it warns)
     off = dict(temperature=1.0, top_p=1.0, top_k=0) if sampler else {}
@@ -1592,8 +1587,7 @@ def update_is_finite(scaler, state, loss, grad_norm, device, in_a_row):
     if bad_loss or not (scaler.is_enabled() and scaler.get_scale() > MIN_LOSS_SCALE):
         state.bad_in_a_row = in_a_row + 1
     if scaler.is_enabled():
-        # fp16: every rank halves its scale alike (its own check may have seen no inf), down to
-        # MIN_LOSS_SCALE, and restarts GradScaler's count of 2,000 good steps in a row to double
+        # fp16: every rank halves alike (its own check may see no inf), restarting the growth count
         scaler.update(max(scaler.get_scale() * scaler.get_backoff_factor(), MIN_LOSS_SCALE))
         scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
     return False
@@ -1651,8 +1645,7 @@ def rng_state():
 
 def set_rng_state(state):
     random.setstate(state["python"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    np.random.set_state(state["numpy"])  # its keys as a list: numpy makes them uint32 again
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -1727,8 +1720,7 @@ def load_weights(model, ckpt, trust_remote_code=False):
 
 
 def save(args, run, scheduler, state, rank):
-    # DDP: every rank holds the same AdamW state, rank 0 saves it; FSDP: each rank saves its shard,
-    # its DTensors as plain local tensors (what weights_only=True loads)
+    # DDP: rank 0 saves AdamW; FSDP: each rank its shard, as local tensors (weights_only loads)
     optimizer, shard = run.optimizer.state_dict(), None
     if is_fsdp(run.model):
         plain = lambda st: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in st.items()}
