@@ -1373,7 +1373,8 @@ def set_up(args, rank, world, device):
     task = load_task(args, tokenizer, world)
     train_rows, eval_rows = task[:2]
     if rank == 0:  # what the run trains on, said as it starts: the split, a task's defaults
-        print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out, never trained on")
+        print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never "
+              "trained on")
         if args.dataset in TASK_DEFAULTS:
             print(f"--dataset {args.dataset} sizes in effect (the task's defaults unless typed): "
                   + ", ".join(f"--{n} {getattr(args, n)}" for n in TASK_DEFAULTS[args.dataset]))
