@@ -1941,8 +1941,8 @@ def open_report(args, rank, resumed_at=None):
 
 
 def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank):
-    """Rank 0: final/, the last checkpoint's transformers files as hard links (a copy where links
-    fail; the weights are serialized once), and one summary line."""
+    """Rank 0: final/, the last checkpoint's weights as hard links (a copy where links fail: they
+    are serialized once) and copies of its config and tokenizer files, and one summary line."""
     if rank != 0:
         return
     where = find_checkpoint(args.save_dir)
@@ -1950,12 +1950,14 @@ def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank
         ckpt = os.path.join(args.save_dir, f"checkpoint-{state.step}")
         ckpt = ckpt if os.path.isdir(ckpt) else args.resume  # resumed from a finished run elsewhere
         where = os.path.join(args.save_dir, "final")
-        shutil.rmtree(where, ignore_errors=True)  # never written into: its files are ckpt's too
+        shutil.rmtree(where, ignore_errors=True)
         os.makedirs(where)
         for name in [n for n in os.listdir(ckpt) if not n.endswith(".pt")]:
             src, dst = os.path.join(ckpt, name), os.path.join(where, name)
+            # small files are copies: save_pretrained rewrites them in place (a link would edit ckpt)
+            link = os.link if name.endswith(".safetensors") else shutil.copy2
             try:
-                os.link(src, dst)
+                link(src, dst)
             except OSError:  # a file system without hard links
                 shutil.copy2(src, dst)
         print(f"saved {where}")

@@ -71,6 +71,8 @@ def test_the_final_model_is_serialized_once_final_is_the_last_checkpoints_files(
     weights = AutoModelForCausalLM.from_pretrained(final).state_dict()
     assert weights.keys() == trained.keys() and all(torch.equal(weights[k], trained[k]) for k in trained)
     assert os.path.samefile(final / "model.safetensors", ckpt / "model.safetensors")   # a hard link: no copy
+    # save_pretrained rewrites config.json in place: a link would let an edit of final/ change the checkpoint
+    assert not os.path.samefile(final / "config.json", ckpt / "config.json")
     # where hard links fail, a copy: the same plain folder
     def no_links(*a):
         raise OSError("this file system has no hard links")
