@@ -336,7 +336,8 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
     ids = [[bos] + x if adds_bos and x[:1] != [bos] else x for x in ids]
     n_cut = sum(len(x) > max_prompt_len for x in ids)
     # a cut prompt keeps its BOS (the model never saw text without one) and loses content instead
-    cut = lambda x: (x[:1] + x[len(x) - max_prompt_len + 1:] if x[:1] == [bos]
+    keep_bos = lambda x: x[:1] == [bos] and max_prompt_len > 1
+    cut = lambda x: (x[:1] + x[len(x) - max_prompt_len + 1:] if keep_bos(x)
                      else x[len(x) - max_prompt_len:])
     ids = [cut(x) if len(x) > max_prompt_len else x for x in ids]
     width = max(len(x) for x in ids)
@@ -1954,7 +1955,7 @@ def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank
         os.makedirs(where)
         for name in [n for n in os.listdir(ckpt) if not n.endswith(".pt")]:
             src, dst = os.path.join(ckpt, name), os.path.join(where, name)
-            # small files are copies: save_pretrained rewrites them in place (a link would edit ckpt)
+            # small files are copied: save_pretrained rewrites them in place (a link edits ckpt)
             link = os.link if name.endswith(".safetensors") else shutil.copy2
             try:
                 link(src, dst)

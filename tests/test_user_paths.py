@@ -266,6 +266,9 @@ def test_a_cut_prompt_keeps_its_bos_and_loses_content_instead():
     # by hand (<bos> 2, <|user|> 4, <|assistant|> 5, a 6, b 7, c 8, '=' 9): the BOS, then the last 3 tokens
     assert ids.tolist() == [[2, 6, 7, 9], [2, 7, 8, 5], [2, 7, 6, 9]] and am.tolist() == [[1] * 4] * 3
     assert n_cut == 2                                        # "ba=" with its BOS is 4 tokens: not cut
+    # a budget of one token keeps the prompt's last token, not a BOS that would make every prompt alike
+    assert tg.tokenize_prompts(tok, ["abcab=", "ba="], 1, "cpu")[0].tolist() == [[9], [9]]
+
 
 def test_compare_numbers_holds_out_questions_never_trained_in_either_order():
     train, held_out = tg.make_compare_task(200)
