@@ -26,8 +26,9 @@ that leaves the update as it is (README: Work without a gradient).
     python train_grpo.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct \\
         --dataset compare_numbers                               # or the .gguf file (README)
 
-Read it top to bottom beside notebook.ipynb: Args, the step, the helpers it calls in its order, the
-loop; then a PLUMBING banner below which no GRPO formula lives. Every formula has a test in tests/.
+Read it top to bottom beside notebook.ipynb: Args, the step, then the helpers in the order it first
+calls them; below a PLUMBING banner, what runs the step (the loop, flags, data, models, processes,
+checkpoints, reporting) and no formula of the step. Every formula has a test in tests/.
 """
 
 import argparse
@@ -60,107 +61,107 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
 
 # --- Config: every field is a flag `--name value`; --help shows its text and default --------------
-def opt(default, help, **kw):
+def flag(default, help, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class Args:
     # what to train
-    loss_type: str = opt("grpo", "normalization of the objective (README: The math, stage 9)",
+    loss_type: str = flag("grpo", "normalization of the objective (README: The math, stage 9)",
                          choices=LOSS_TYPES)
-    use_moe: int = opt(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint "
+    use_moe: int = flag(0, "1: mixture-of-experts model (tiny Qwen3-MoE, or check the checkpoint "
                        "is MoE)", choices=(0, 1))
-    model_name_or_path: str = opt("", "hub name, local dir, or a .gguf file for from_pretrained; "
+    model_name_or_path: str = flag("", "hub name, local dir, or a .gguf file for from_pretrained; "
                                   "empty: build a tiny model")
-    dataset: str = opt("", "compare_numbers (built-in, for instruct models), gsm8k, a hub "
+    dataset: str = flag("", "compare_numbers (built-in, for instruct models), gsm8k, a hub "
                        "dataset or a .jsonl/.json/.parquet file; empty: the reversal task")
-    question_field: str = opt("question", "field of a question, sent with GSM8K's system prompt "
+    question_field: str = flag("question", "field of a question, sent with GSM8K's system prompt "
                               "(wins over a 'prompt' field: text or chat messages, used as is)")
-    answer_field: str = opt("answer", "dataset field holding the reference answer (optional with "
+    answer_field: str = flag("answer", "dataset field holding the reference answer (optional with "
                             "'prompt')")
-    reward_funcs: str = opt("", "comma-separated file.py:name or train_grpo names: f(completion, "
+    reward_funcs: str = flag("", "comma-separated file.py:name or train_grpo names: f(completion, "
                             "**row) -> float, or TRL's batched f(prompts, completions, "
                             "completion_ids, **columns) -> list (a parameter named 'completions'"
                             "); None: does not apply; empty: the task's own")
-    reward_weights: str = opt("", "comma-separated weight per reward function; empty: the task's "
+    reward_weights: str = flag("", "comma-separated weight per reward function; empty: the task's "
                               "own (1.0 each with --reward_funcs)")
-    trust_remote_code: int = opt(0, "1: let from_pretrained run code shipped with the model",
+    trust_remote_code: int = flag(0, "1: let from_pretrained run code shipped with the model",
                                  choices=(0, 1))
     # rollout
-    num_generations: int = opt(8, "G: completions sampled per prompt (a group)")
-    batch_size: int = opt(16, "B: prompts per rank per step (so B*G rows)")
-    micro_batch_size: int = opt(0, "rows per forward/backward; 0: auto (tiny model: all B*G; a "
+    num_generations: int = flag(8, "G: completions sampled per prompt (a group)")
+    batch_size: int = flag(16, "B: prompts per rank per step (so B*G rows)")
+    micro_batch_size: int = flag(0, "rows per forward/backward; 0: auto (tiny model: all B*G; a "
                                 "real one: what fits --micro_batch_tokens)")
-    micro_batch_tokens: int = opt(16384, "auto micro-batches: at most rows x length tokens")
-    max_prompt_len: int = opt(256, "prompt tokens kept (longer prompts are left-truncated)")
-    max_gen_len: int = opt(8, "L_max: new tokens per completion")
-    temperature: float = opt(1.0, "sampling temperature (log-probs use the same one)")
-    top_p: float = opt(1.0, "nucleus sampling threshold")
-    top_k: int = opt(0, "top-k sampling; 0: off")
-    mask_truncated_completions: int = opt(0, "1: completions that never emit EOS get a zero mask",
+    micro_batch_tokens: int = flag(16384, "auto micro-batches: at most rows x length tokens")
+    max_prompt_len: int = flag(256, "prompt tokens kept (longer prompts are left-truncated)")
+    max_gen_len: int = flag(8, "L_max: new tokens per completion")
+    temperature: float = flag(1.0, "sampling temperature (log-probs use the same one)")
+    top_p: float = flag(1.0, "nucleus sampling threshold")
+    top_k: int = flag(0, "top-k sampling; 0: off")
+    mask_truncated_completions: int = flag(0, "1: completions that never emit EOS get a zero mask",
                                           choices=(0, 1))
     # objective
-    beta: float = opt(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
-    epsilon: float = opt(0.2, "lower clip: ratio >= 1 - epsilon")
-    epsilon_high: float = opt(-1.0, "upper clip (cispo: weight cap); -1: epsilon (cispo: 5.0)")
-    num_iterations: int = opt(1, "mu: updates per rollout; > 1 computes old log-probs once per "
+    beta: float = flag(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
+    epsilon: float = flag(0.2, "lower clip: ratio >= 1 - epsilon")
+    epsilon_high: float = flag(-1.0, "upper clip (cispo: weight cap); -1: epsilon (cispo: 5.0)")
+    num_iterations: int = flag(1, "mu: updates per rollout; > 1 computes old log-probs once per "
                               "rollout")
-    scale_rewards: str = opt("group", "advantage divisor: group std, batch std or none",
+    scale_rewards: str = flag("group", "advantage divisor: group std, batch std or none",
                              choices=("group", "batch", "none"))
-    importance_sampling_level: str = opt("token", "the ratio: per token, or per sequence, exp("
+    importance_sampling_level: str = flag("token", "the ratio: per token, or per sequence, exp("
                                          "its tokens' mean of logp - old) (GSPO; for grpo, not "
                                          "cispo)", choices=("token", "sequence"))
     # log-probs and entropy (README: The math, stages 7, 10-11)
-    logp_chunk_size: int = opt(0, "tokens per lm_head chunk for log-probs (recomputed in "
+    logp_chunk_size: int = flag(0, "tokens per lm_head chunk for log-probs (recomputed in "
                                "backward); 0: auto, a chunk's fp32 logits within 64 MiB")
-    entropy_coef: float = opt(0.0, "entropy bonus alpha (negative pushes entropy down); start "
+    entropy_coef: float = flag(0.0, "entropy bonus alpha (negative pushes entropy down); start "
                               "value if adaptive")
-    use_adaptive_entropy: int = opt(0, "1: adapt the coefficient toward --entropy_target "
+    use_adaptive_entropy: int = flag(0, "1: adapt the coefficient toward --entropy_target "
                                     "(Skywork-OR1)", choices=(0, 1))
-    entropy_target: float = opt(0.2, "adaptive: target world entropy (nats per token)")
-    entropy_coef_delta: float = opt(1e-4, "adaptive: coefficient change per GRPO step")
-    entropy_coef_min: float = opt(0.0, "adaptive: lower bound of the coefficient")
-    entropy_coef_max: float = opt(0.005, "adaptive: upper bound of the coefficient")
+    entropy_target: float = flag(0.2, "adaptive: target world entropy (nats per token)")
+    entropy_coef_delta: float = flag(1e-4, "adaptive: coefficient change per GRPO step")
+    entropy_coef_min: float = flag(0.0, "adaptive: lower bound of the coefficient")
+    entropy_coef_max: float = flag(0.005, "adaptive: upper bound of the coefficient")
     # optimization
-    max_steps: int = opt(200, "GRPO steps (each makes --num_iterations optimizer updates)")
-    learning_rate: float = opt(2e-4, "AdamW learning rate of the GRPO updates")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    lr_scheduler: str = opt("constant", "constant or cosine, after linear warmup",
+    max_steps: int = flag(200, "GRPO steps (each makes --num_iterations optimizer updates)")
+    learning_rate: float = flag(2e-4, "AdamW learning rate of the GRPO updates")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    lr_scheduler: str = flag("constant", "constant or cosine, after linear warmup",
                             choices=("constant", "cosine"))
-    warmup_steps: int = opt(0, "linear learning-rate warmup steps")
-    grad_clip: float = opt(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
-    skip_zero_advantage_rows: int = opt(1, "1: rows with advantage 0 skip the forwards and the "
+    warmup_steps: int = flag(0, "linear learning-rate warmup steps")
+    grad_clip: float = flag(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
+    skip_zero_advantage_rows: int = flag(1, "1: rows with advantage 0 skip the forwards and the "
                                         "backward (the same update); never with --beta > 0, an "
                                         "entropy bonus, --use_moe 1 or bnpo (such rows count "
                                         "there)", choices=(0, 1))
-    gradient_checkpointing: int = opt(-1, "1: recompute layers in backward; -1: on for "
+    gradient_checkpointing: int = flag(-1, "1: recompute layers in backward; -1: on for "
                                       "--model_name_or_path, off for the tiny model",
                                       choices=(-1, 0, 1))
-    sft_warmup_steps: int = opt(200, "built-in task only: supervised steps before the first eval "
+    sft_warmup_steps: int = flag(200, "built-in task only: supervised steps before the first eval "
                                 "and GRPO")
-    sft_learning_rate: float = opt(1e-3, "learning rate of the supervised warmup")
+    sft_learning_rate: float = flag(1e-3, "learning rate of the supervised warmup")
     # bookkeeping
-    seed: int = opt(0, "seed for model init, data order and sampling")
-    save_dir: str = opt("runs/grpo", "metrics.jsonl, checkpoints and the final model go here")
-    save_interval: int = opt(0, "write checkpoint-<step> every N steps; 0: only at the end")
-    resume: str = opt("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
-    eval_interval: int = opt(50, "held-out greedy accuracy (eval_reward with --reward_funcs) "
+    seed: int = flag(0, "seed for model init, data order and sampling")
+    save_dir: str = flag("runs/grpo", "metrics.jsonl, checkpoints and the final model go here")
+    save_interval: int = flag(0, "write checkpoint-<step> every N steps; 0: only at the end")
+    resume: str = flag("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
+    eval_interval: int = flag(50, "held-out greedy accuracy (eval_reward with --reward_funcs) "
                              "every N steps (and before/after training); 0: off")
-    eval_size: int = opt(256, "held-out prompts (a file without a test split: its first rows)")
-    dtype: str = opt("float32", "compute dtype under autocast (weights and AdamW state stay "
+    eval_size: int = flag(256, "held-out prompts (a file without a test split: its first rows)")
+    dtype: str = flag("float32", "compute dtype under autocast (weights and AdamW state stay "
                      "float32)", choices=("float32", "bfloat16", "float16"))
-    cast_lm_head_to_fp32: int = opt(0, "1: under bf16/fp16 the lm_head matmul runs in fp32, in "
+    cast_lm_head_to_fp32: int = flag(0, "1: under bf16/fp16 the lm_head matmul runs in fp32, in "
                                     "generate and the trainer; not with --fsdp 1", choices=(0, 1))
-    fsdp: int = opt(0, "1: shard parameters, gradients and optimizer state over the ranks with "
+    fsdp: int = flag(0, "1: shard parameters, gradients and optimizer state over the ranks with "
                     "FSDP2 (fully_shard) instead of replicating them with DDP", choices=(0, 1))
-    rollout_cache: str = opt("auto", "generate's KV cache: static (compiled decode), dynamic, or "
+    rollout_cache: str = flag("auto", "generate's KV cache: static (compiled decode), dynamic, or "
                              "auto (static on CUDA)", choices=("auto", "static", "dynamic"))
-    device: str = opt("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
-    stop_after: int = opt(0, "stop (as if interrupted) after this step; 0: run to max_steps")
-    report_to: str = opt("none", "also log each step's record to wandb or tensorboard (optional "
+    device: str = flag("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
+    stop_after: int = flag(0, "stop (as if interrupted) after this step; 0: run to max_steps")
+    report_to: str = flag("none", "also log each step's record to wandb or tensorboard (optional "
                          "packages)", choices=("none", "wandb", "tensorboard"))
-    run_name: str = opt("", "name of the run in wandb/tensorboard; empty: the save_dir's name")
+    run_name: str = flag("", "name of the run in wandb/tensorboard; empty: the save_dir's name")
 
     def __post_init__(self):  # whoever builds an Args (parse_args, a test, a fork) gets the rule
         if self.epsilon_high == -1.0:
@@ -792,7 +793,8 @@ def build_parser():
     parser.error = lambda message: parser.exit(2, f"error: {message}\n")  # one line, no usage
     fields, group = {f.name: f for f in dataclasses.fields(Args)}, parser
     for line in inspect.getsource(Args).splitlines():
-        comment, name = re.fullmatch(r"    # (.+)", line), re.match(r"    (\w+): \w+ = opt\(", line)
+        comment = re.fullmatch(r"    # (.+)", line)
+        name = re.match(r"    (\w+): \w+ = flag\(", line)
         if comment:
             group = parser.add_argument_group(comment.group(1))
         elif name:
@@ -800,7 +802,7 @@ def build_parser():
             group.add_argument(f"--{f.name}", type=type(f.default), default=argparse.SUPPRESS,
                                choices=f.metadata.get("choices"),
                                help=f"{f.metadata['help']} (default: {f.default!r})")
-    assert not fields, f"Args fields not declared as `name: type = opt(...)`: {sorted(fields)}"
+    assert not fields, f"Args fields not declared as `name: type = flag(...)`: {sorted(fields)}"
     return parser
 
 
