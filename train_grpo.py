@@ -26,8 +26,9 @@ that leaves the update as it is (README: Work without a gradient).
     python train_grpo.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct \\
         --dataset compare_numbers                               # or the .gguf file (README)
 
-Read it top to bottom beside notebook.ipynb: Args, the step, the helpers it calls in its order, the
-loop; then a PLUMBING banner below which no GRPO formula lives. Every formula has a test in tests/.
+Read it top to bottom beside notebook.ipynb: Args, the step, then the helpers in the order it first
+calls them; below a PLUMBING banner, what runs the step (the loop, flags, data, models, processes,
+checkpoints, reporting) and no formula of the step. Every formula has a test in tests/.
 """
 
 import argparse
@@ -60,82 +61,82 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
 
 # --- Config: every field is a flag `--name value`; --help shows its text and default --------------
-def opt(default, help, **kw):
+def flag(default, help, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class Args:
     # what to train
-    loss_type: str = opt("grpo", "normalization (README: The math, stage 9)", choices=LOSS_TYPES)
-    use_moe: int = opt(0, "1: an MoE model (tiny Qwen3-MoE; a given one checked)", choices=(0, 1))
-    model_name_or_path: str = opt("", "hub name, local dir or .gguf file; empty: a tiny model")
-    dataset: str = opt("", "compare_numbers (built-in, for instruct models), gsm8k, a hub "
+    loss_type: str = flag("grpo", "normalization (README: The math, stage 9)", choices=LOSS_TYPES)
+    use_moe: int = flag(0, "1: an MoE model (tiny Qwen3-MoE; a given one checked)", choices=(0, 1))
+    model_name_or_path: str = flag("", "hub name, local dir or .gguf file; empty: a tiny model")
+    dataset: str = flag("", "compare_numbers (built-in, for instruct models), gsm8k, a hub "
                        "dataset or a .jsonl/.json/.parquet file; empty: the reversal task")
-    question_field: str = opt("question", "question column (GSM8K's system prompt; over 'prompt')")
-    answer_field: str = opt("answer", "column of the reference answer (optional with 'prompt')")
-    reward_funcs: str = opt("", "file.py:name or built-in names, by commas: f(completion, **row) "
+    question_field: str = flag("question", "question column (GSM8K's system prompt; over 'prompt')")
+    answer_field: str = flag("answer", "column of the reference answer (optional with 'prompt')")
+    reward_funcs: str = flag("", "file.py:name or built-in names, by commas: f(completion, **row) "
                             "-> float or None, or TRL's batched form; empty: the task's own")
-    reward_weights: str = opt("", "comma-separated; empty: task's own (1 each for --reward_funcs)")
-    trust_remote_code: int = opt(0, "1: let from_pretrained run the model's code", choices=(0, 1))
+    reward_weights: str = flag("", "comma-separated; empty: task's own (1 each for --reward_funcs)")
+    trust_remote_code: int = flag(0, "1: let from_pretrained run the model's code", choices=(0, 1))
     # rollout
-    num_generations: int = opt(8, "G: completions sampled per prompt (a group)")
-    batch_size: int = opt(16, "B: prompts per rank per step (so B*G rows)")
-    micro_batch_size: int = opt(0, "rows per forward/backward; 0: auto (fits --micro_batch_tokens)")
-    micro_batch_tokens: int = opt(16384, "auto micro-batches: at most rows x length tokens")
-    max_prompt_len: int = opt(256, "prompt tokens kept (longer prompts are left-truncated)")
-    max_gen_len: int = opt(8, "L_max: new tokens per completion")
-    temperature: float = opt(1.0, "sampling temperature (log-probs use the same one)")
-    top_p: float = opt(1.0, "nucleus sampling threshold")
-    top_k: int = opt(0, "top-k sampling; 0: off")
-    mask_truncated_completions: int = opt(0, "1: mask completions that lack an EOS", choices=(0, 1))
+    num_generations: int = flag(8, "G: completions sampled per prompt (a group)")
+    batch_size: int = flag(16, "B: prompts per rank per step (so B*G rows)")
+    micro_batch_size: int = flag(0, "rows per forward/backward; 0: auto (fits --micro_batch_tokens)")
+    micro_batch_tokens: int = flag(16384, "auto micro-batches: at most rows x length tokens")
+    max_prompt_len: int = flag(256, "prompt tokens kept (longer prompts are left-truncated)")
+    max_gen_len: int = flag(8, "L_max: new tokens per completion")
+    temperature: float = flag(1.0, "sampling temperature (log-probs use the same one)")
+    top_p: float = flag(1.0, "nucleus sampling threshold")
+    top_k: int = flag(0, "top-k sampling; 0: off")
+    mask_truncated_completions: int = flag(0, "1: mask completions that lack an EOS", choices=(0, 1))
     # objective
-    beta: float = opt(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
-    epsilon: float = opt(0.2, "lower clip: ratio >= 1 - epsilon")
-    epsilon_high: float = opt(-1.0, "upper clip (cispo: weight cap); -1: epsilon (cispo: 5.0)")
-    num_iterations: int = opt(1, "mu: updates per rollout (old log-probs computed once)")
-    scale_rewards: str = opt("group", "advantage divisor: group std, batch std or none",
+    beta: float = flag(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
+    epsilon: float = flag(0.2, "lower clip: ratio >= 1 - epsilon")
+    epsilon_high: float = flag(-1.0, "upper clip (cispo: weight cap); -1: epsilon (cispo: 5.0)")
+    num_iterations: int = flag(1, "mu: updates per rollout (old log-probs computed once)")
+    scale_rewards: str = flag("group", "advantage divisor: group std, batch std or none",
                              choices=("group", "batch", "none"))
-    importance_sampling_level: str = opt("token", "ratio per token or per sequence (GSPO: exp(mean "
+    importance_sampling_level: str = flag("token", "ratio per token or per sequence (GSPO: exp(mean "
                                          "logp - old); not cispo)", choices=("token", "sequence"))
     # log-probs and entropy (README: The math, stages 7, 10-11)
-    logp_chunk_size: int = opt(0, "tokens per lm_head chunk for log-probs; 0: auto (64 MiB fp32)")
-    entropy_coef: float = opt(0.0, "entropy bonus alpha (< 0 lowers entropy); adaptive: its start")
-    use_adaptive_entropy: int = opt(0, "1: adapt alpha toward --entropy_target", choices=(0, 1))
-    entropy_target: float = opt(0.2, "adaptive: target world entropy (nats per token)")
-    entropy_coef_delta: float = opt(1e-4, "adaptive: coefficient change per GRPO step")
-    entropy_coef_min: float = opt(0.0, "adaptive: lower bound of the coefficient")
-    entropy_coef_max: float = opt(0.005, "adaptive: upper bound of the coefficient")
+    logp_chunk_size: int = flag(0, "tokens per lm_head chunk for log-probs; 0: auto (64 MiB fp32)")
+    entropy_coef: float = flag(0.0, "entropy bonus alpha (< 0 lowers entropy); adaptive: its start")
+    use_adaptive_entropy: int = flag(0, "1: adapt alpha toward --entropy_target", choices=(0, 1))
+    entropy_target: float = flag(0.2, "adaptive: target world entropy (nats per token)")
+    entropy_coef_delta: float = flag(1e-4, "adaptive: coefficient change per GRPO step")
+    entropy_coef_min: float = flag(0.0, "adaptive: lower bound of the coefficient")
+    entropy_coef_max: float = flag(0.005, "adaptive: upper bound of the coefficient")
     # optimization
-    max_steps: int = opt(200, "GRPO steps (each makes --num_iterations optimizer updates)")
-    learning_rate: float = opt(2e-4, "AdamW learning rate of the GRPO updates")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    lr_scheduler: str = opt("constant", "after linear warmup", choices=("constant", "cosine"))
-    warmup_steps: int = opt(0, "linear learning-rate warmup steps")
-    grad_clip: float = opt(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
-    skip_zero_advantage_rows: int = opt(1, "1: zero-advantage rows skip forward/backward (same "
+    max_steps: int = flag(200, "GRPO steps (each makes --num_iterations optimizer updates)")
+    learning_rate: float = flag(2e-4, "AdamW learning rate of the GRPO updates")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    lr_scheduler: str = flag("constant", "after linear warmup", choices=("constant", "cosine"))
+    warmup_steps: int = flag(0, "linear learning-rate warmup steps")
+    grad_clip: float = flag(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
+    skip_zero_advantage_rows: int = flag(1, "1: zero-advantage rows skip forward/backward (same "
                                         "update; off under beta/entropy/MoE/bnpo)", choices=(0, 1))
-    gradient_checkpointing: int = opt(-1, "1: recompute layers in backward; -1: on with "
+    gradient_checkpointing: int = flag(-1, "1: recompute layers in backward; -1: on with "
                                       "--model_name_or_path, else off", choices=(-1, 0, 1))
-    sft_warmup_steps: int = opt(200, "built-in task only: supervised steps before eval and GRPO")
-    sft_learning_rate: float = opt(1e-3, "learning rate of the supervised warmup")
+    sft_warmup_steps: int = flag(200, "built-in task only: supervised steps before eval and GRPO")
+    sft_learning_rate: float = flag(1e-3, "learning rate of the supervised warmup")
     # bookkeeping
-    seed: int = opt(0, "seed for model init, data order and sampling")
-    save_dir: str = opt("runs/grpo", "metrics.jsonl, checkpoints and the final model go here")
-    save_interval: int = opt(0, "write checkpoint-<step> every N steps; 0: only at the end")
-    resume: str = opt("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
-    eval_interval: int = opt(50, "held-out greedy eval every N steps, and before/after; 0: off")
-    eval_size: int = opt(256, "held-out prompts (a file without a test split: its first rows)")
-    dtype: str = opt("float32", "compute dtype under autocast (weights and AdamW state stay "
+    seed: int = flag(0, "seed for model init, data order and sampling")
+    save_dir: str = flag("runs/grpo", "metrics.jsonl, checkpoints and the final model go here")
+    save_interval: int = flag(0, "write checkpoint-<step> every N steps; 0: only at the end")
+    resume: str = flag("", "'auto' (latest checkpoint in save_dir) or a checkpoint dir")
+    eval_interval: int = flag(50, "held-out greedy eval every N steps, and before/after; 0: off")
+    eval_size: int = flag(256, "held-out prompts (a file without a test split: its first rows)")
+    dtype: str = flag("float32", "compute dtype under autocast (weights and AdamW state stay "
                      "float32)", choices=("float32", "bfloat16", "float16"))
-    cast_lm_head_to_fp32: int = opt(0, "1: fp32 lm_head under bf16/fp16 (not FSDP)", choices=(0, 1))
-    fsdp: int = opt(0, "1: shard weights, gradients, AdamW state (FSDP2); 0: DDP", choices=(0, 1))
-    rollout_cache: str = opt("auto", "generate's KV cache: static (compiled decode), dynamic, or "
+    cast_lm_head_to_fp32: int = flag(0, "1: fp32 lm_head under bf16/fp16 (not FSDP)", choices=(0, 1))
+    fsdp: int = flag(0, "1: shard weights, gradients, AdamW state (FSDP2); 0: DDP", choices=(0, 1))
+    rollout_cache: str = flag("auto", "generate's KV cache: static (compiled decode), dynamic, or "
                              "auto (static on CUDA)", choices=("auto", "static", "dynamic"))
-    device: str = opt("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
-    stop_after: int = opt(0, "stop (as if interrupted) after this step; 0: run to max_steps")
-    report_to: str = opt("none", "also log each step", choices=("none", "wandb", "tensorboard"))
-    run_name: str = opt("", "name of the run in wandb/tensorboard; empty: the save_dir's name")
+    device: str = flag("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
+    stop_after: int = flag(0, "stop (as if interrupted) after this step; 0: run to max_steps")
+    report_to: str = flag("none", "also log each step", choices=("none", "wandb", "tensorboard"))
+    run_name: str = flag("", "name of the run in wandb/tensorboard; empty: the save_dir's name")
 
     def __post_init__(self):  # whoever builds an Args (parse_args, a test, a fork) gets the rule
         if self.epsilon_high == -1.0:
@@ -154,7 +155,7 @@ def default_epsilon_high(loss_type, epsilon):
 
 
 # ==================================================================================================
-# THE ALGORITHM: the step (stages 1-14), the helpers in the order it calls them, then the loop.
+# THE ALGORITHM: the step (stages 1-14), then the helpers in the order it first calls them.
 # ==================================================================================================
 
 
@@ -165,17 +166,24 @@ class TrainState:
     step: int = 0
     sampler_epoch: int = 0
     sampler_pos: int = 0
-    entropy_coef: float = 0.0          # c: the adaptive coefficient (or the static alpha)
-    next_alpha: float = 0.0            # alpha: the bonus coefficient the next step's loss applies
+    c: float = 0.0                     # the adaptive entropy coefficient (or the static alpha)
+    alpha: float = 0.0                 # the entropy bonus coefficient the next step's loss applies
     world_entropy: float = float("nan")  # of the rows trained on (all of them when adaptive)
     skipped_steps: int = 0             # optimizer updates skipped (loss or grad norm not finite)
     bad_in_a_row: int = 0              # steps in a row with a skip the loss scale could not cure
     truncated_prompts: int = 0         # prompts left-truncated so far, all ranks
 
+    @classmethod
+    def initial(cls, args):
+        # adaptive: c starts at --entropy_coef, alpha at 0 until a world entropy is measured (TRL)
+        return cls(c=args.entropy_coef,
+                   alpha=0.0 if args.use_adaptive_entropy else args.entropy_coef)
+
 
 @dataclass
-class Run:
-    """What every step uses and no step changes: built once by train(), handed to grpo_step."""
+class Trainer:
+    """The trainer grpo_step runs on, built once by train(): the models, reward functions, and the
+    optimizer with its schedule and loss scaler (whose states change as it trains)."""
     model: torch.nn.Module       # the policy as the loss sees it: the DDP wrapper, or the policy
     ref_model: object            # frozen reference (beta > 0), else None
     optimizer: object
@@ -188,31 +196,24 @@ class Run:
     device: str = "cpu"
 
 
-def grpo_step(args, run, rows, state):
+def grpo_step(args, trainer, rows, state):
     """One step on this rank's B prompts: updates `state` in place, returns the metrics (world)."""
-    t0, G, policy, device = time.time(), args.num_generations, unwrap(run.model), run.device
-    lr = run.scheduler.get_last_lr()[0]                                  # this step's rate
-    reset_peak_memory(device)
-    # 1. prompts: tokenized once, each repeated G times so a group is contiguous; left-padded,
-    # left-truncated (n_cut: of the B prompts)
-    prompt_ids, prompt_mask, n_cut = tokenize_prompts(run.tokenizer, [r["prompt"] for r in rows],
-                                                      args.max_prompt_len, device, G)  # [rows, P]
+    G, policy, device = args.num_generations, unwrap(trainer.model), trainer.device
+    lr, log = trainer.scheduler.get_last_lr()[0], StepLog(device)  # log: 14's timing and sums
+    # 1. prompts, each repeated G times (a group, contiguous); left-padded, left-truncated (n_cut)
+    prompt_ids, prompt_mask, n_cut = tokenize_prompts(
+        trainer.tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device, G)  # [rows, P]
     rows = [r for r in rows for _ in range(G)]
-
-    # 2. rollout on the unwrapped policy, no graph: m = 1 up to and including the first EOS, and
-    # the sampler's own log-prob of each token it drew
-    t_gen = time.time()
-    with autocast(args, device):
+    # 2. rollout, no graph: m = 1 up to the first EOS (included); the sampler's log-prob per token
+    with autocast(args, device), log:  # `with log`: the rollout's time
         completion_ids, mask, no_eos, sampler_logps = rollout(                # [rows, T]
-            policy, prompt_ids, prompt_mask, run.tokenizer, max_gen_len=args.max_gen_len,
+            policy, prompt_ids, prompt_mask, trainer.tokenizer, max_gen_len=args.max_gen_len,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             static_cache=use_static_cache(args, device))
-    gen_time = time.time() - t_gen
-
     # 3. reward of the completion as generated: r_i = sum_k w_k reward_k(o_i), None skipped
     ids = completion_token_ids(completion_ids, mask)                    # TRL's completion_ids
-    completions = decode_completions(run.tokenizer, ids, rows)
-    rewards = compute_rewards(run.reward_fns, run.weights, completions, rows, ids)  # [rows]
+    completions = decode_completions(trainer.tokenizer, ids, rows)
+    rewards = compute_rewards(trainer.reward_fns, trainer.weights, completions, rows, ids)  # [rows]
     # 4. advantage A_i = (r_i - mean_group) / (std_group + 1e-4); batch: all ranks' reward std
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
     advantages = compute_advantages(rewards, G, args.scale_rewards, batch_std).to(device)  # [rows]
@@ -220,106 +221,95 @@ def grpo_step(args, run, rows, state):
         mask = mask * (~no_eos).unsqueeze(1)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)                       # [rows, P + T]
     attention_mask = torch.cat([prompt_mask, mask], 1)
-    T = completion_ids.shape[1]
-
-    # the rows to train on: all, or those whose advantage is not 0 (where skipping is exact)
-    kept = rows_to_train(args, run, advantages, mask, state.next_alpha)  # [kept]
+    T, alpha = completion_ids.shape[1], state.alpha
+    score = dict(scored_distribution(args), chunk_size=args.logp_chunk_size)  # how logps are scored
+    kept = rows_to_train(args, trainer, advantages, mask, alpha)  # [kept]: A != 0 where exact
     widest, most_kept = world_max(input_ids.shape[1], len(kept), device=device)  # all ranks'
-    # 5-6. reference (beta > 0) and old (mu > 1) log-probs of those rows: plain tensors, no graph
-    ref_logps, old_logps = reference_and_old_logps(run, args, input_ids, attention_mask, T, kept,
-                                                   most_kept)
-    num_items = world_sum(mask.sum().item(), device=device)[0]   # N: masked tokens, all ranks
-    # S micro-batches of the kept rows on every rank (DDP all-reduces in the last, FSDP gathers in
-    # each): as many as the rank that keeps the most rows needs; 0: no rank keeps one
+    # 5-6. reference (beta > 0) and old (mu > 1) log-probs of the kept rows, no graph (FSDP: its
+    # forward gathers, a collective: a rank with no row scores a stand-in while another scores)
+    scored = kept.new_zeros(1) if is_fsdp(trainer.model) and most_kept and not len(kept) else kept
+    with torch.no_grad(), autocast(args, device):  # [kept, T], or None
+        ref_logps, old_logps = (None if m is None or not len(scored) else completion_logps(
+            m, input_ids[scored], attention_mask[scored], T, with_entropy=False, **score)[0]
+            for m in (trainer.ref_model, trainer.model if args.num_iterations > 1 else None))
+    N = world_sum(mask.sum().item(), device=device)[0]   # masked tokens, all ranks
+    # S micro-batches of kept rows on every rank: as the rank keeping most needs (0: none keeps one)
     micro = args.micro_batch_size or auto_micro_batch(len(rows), widest, args)
     S = math.ceil(most_kept / micro)
-    alpha, applied = state.next_alpha, False   # alpha: set after the previous step
-    in_a_row, state.bad_in_a_row = state.bad_in_a_row, 0  # steps: any bad update fails this one
-
+    D = loss_divisor(args.loss_type, len(rows), S, N, trainer.world, args.max_gen_len)
+    applied, in_a_row, state.bad_in_a_row = False, state.bad_in_a_row, 0  # any bad update: failing
     for it in range(args.num_iterations):  # mu updates per rollout
-        totals = {"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0, "aux": 0.0,
-                  "entropy_sum": 0.0, "tokens": 0.0, "rows": len(kept)}  # over the micro-batches
-        gaps, gap_masks = [sampler_logps[:0]], [mask[:0]]  # old - sampler logp, masks
+        totals = log.new_update(len(kept))  # this update's sums over its micro-batches
         for j in range(S):
-            idx = kept[j * micro:(j + 1) * micro]
-            stand_in = len(idx) == 0  # this rank is out of rows: one row, whose loss is 0 x logp
-            idx = kept.new_zeros(1) if stand_in else idx
-            sync_gradients(run.model, j == S - 1)  # DDP/FSDP reduce the gradients on the last only
-            # 7. logp_t = z_t[o_t] - logsumexp(z_t), through the wrapper (its forward is what syncs
-            # the gradients); entropy logged from the first update (the policy that sampled), in
-            # the graph only if a bonus uses it
+            part = slice(j * micro, (j + 1) * micro)
+            stand_in = len(kept[part]) == 0  # this rank is out of rows: one row, loss 0 x logp
+            idx = kept.new_zeros(1) if stand_in else kept[part]
+            sync_gradients(trainer.model, j == S - 1)  # DDP/FSDP reduce on the last only
+            # 7. logp_t = z_t[o_t] - logsumexp(z_t) through the wrapper (its forward syncs grads); H
+            # of the first update (the policy that sampled), in the graph only if a bonus uses it
             with autocast(args, device):
                 logps, entropy, aux = completion_logps(                           # [micro, T]
-                    run.model, input_ids[idx], attention_mask[idx], T,
-                    chunk_size=args.logp_chunk_size, entropy_grad=alpha != 0.0,
-                    with_entropy=it == 0 or alpha != 0.0, **scored_distribution(args))
+                    trainer.model, input_ids[idx], attention_mask[idx], T, **score,
+                    entropy_grad=alpha != 0.0, with_entropy=it == 0 or alpha != 0.0)
             if stand_in:  # the backward (and DDP's all-reduce) still runs, adding exactly 0
-                run.scaler.scale(0.0 * logps.sum()).backward()
+                zero_gradient_without_rows(trainer, logps)
                 continue
-            # on-policy old = logp.detach(): the ratio is 1 in value, its gradient dlogp (never
-            # exp(x - x) with both sides in the graph: its gradient is 0)
-            old = old_logps[idx] if old_logps is not None else logps.detach()
-            # rho = exp(old - sampler logp): the trainer at the weights that sampled vs the sampler
-            gaps.append(torch.where(mask[idx].bool(), old - sampler_logps[idx], 0.0))
-            gap_masks.append(mask[idx])
-            # 8-11. clipped ratio objective (+ beta k3 KL - alpha H), normalized per --loss_type
-            # with the step's divisors (grpo, dr_grpo: its rows; dapo, cispo: its tokens N)
+            # on-policy old = sg(logp): ratio 1, gradient dlogp (exp(x - x) in the graph: 0)
+            old = logps.detach() if old_logps is None else old_logps[part]
+            # 8-11. L = clipped ratio objective + beta KL - alpha H, sum L m / D (per --loss_type)
             loss, stats = grpo_loss(
                 logps, old, advantages[idx], mask[idx], loss_type=args.loss_type,
-                epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-                ref_logps=None if ref_logps is None else ref_logps[idx], beta=args.beta,
-                max_gen_len=args.max_gen_len, num_items=num_items, world_size=run.world,
-                entropy=entropy, entropy_coef=alpha, accum_steps=S, step_rows=len(rows),
+                epsilon=args.epsilon, epsilon_high=args.epsilon_high, divisor=D,
+                ref_logps=None if ref_logps is None else ref_logps[part], beta=args.beta,
+                entropy=entropy, alpha=alpha,
                 importance_sampling_level=args.importance_sampling_level)
             # 12. MoE: the router's load-balancing loss, times the config's coefficient
             if aux is not None:
                 loss = loss + policy.config.router_aux_loss_coef * aux / S
-                totals["aux"] += aux.item() / S
-            # 13. backward: gradients add up over the micro-batches (fp16: loss x scale, so small
-            # gradients do not flush to 0)
-            run.scaler.scale(loss).backward()
-            tokens = mask[idx].sum().item()
-            for k, v in (("loss", loss.detach()), ("policy_loss", stats["policy_loss"]),
-                         ("tokens", tokens), ("kl_sum", stats.get("kl_sum", 0.0)),
-                         ("clip", stats["clip_ratio"] * tokens),
-                         ("entropy_sum", (entropy.detach() * mask[idx]).sum())):
-                totals[k] += float(v)
+            # 13. backward: gradients add up over micro-batches (fp16: loss x scale, no underflow)
+            trainer.scaler.scale(loss).backward()
+            # rho = exp(old - sampler logp): the trainer at the weights that sampled vs the sampler
+            log.add(totals, loss, stats, entropy, mask[idx], old - sampler_logps[idx], aux, S)
         if S == 0:  # AdamW steps as after backward on rows with A = 0: on (scaled) zero gradients
-            for p in policy.parameters():  # fp16: scale() also creates the scale unscale_ reads
-                p.grad = run.scaler.scale(torch.zeros_like(p)) if p.requires_grad else None
-        if it == 0:  # the policy that sampled: its entropy and its mismatch with the sampler
-            first = dict(totals, gap=torch.cat(gaps), gap_mask=torch.cat(gap_masks))  # [trained, T]
-        # 13. unscale (fp16), clip the global grad norm, AdamW; a step whose loss or grad norm is
-        # not finite on any rank is skipped on every rank (update_is_finite: a world decision)
-        run.scaler.unscale_(run.optimizer)  # the true loss's gradients: the clip sees real values
+            zero_gradient_without_rows(trainer)
+        # 13. unscale (fp16), clip, AdamW, skipped on every rank if a rank's loss or norm is inf/NaN
+        trainer.scaler.unscale_(trainer.optimizer)  # the true gradients: the clip sees real values
         grad_norm = clip_grad_norm(policy, args.grad_clip)  # FSDP: over every rank's shard
-        if update_is_finite(run.scaler, state, totals["loss"], grad_norm, run.device, in_a_row):
-            run.scaler.step(run.optimizer)  # optimizer.step(), the gradients unscaled
-            run.scaler.update()
+        if update_is_finite(trainer.scaler, state, totals["loss"], grad_norm, device, in_a_row):
+            trainer.scaler.step(trainer.optimizer)  # optimizer.step(), the gradients unscaled
+            trainer.scaler.update()
             applied = True
-        run.optimizer.zero_grad(set_to_none=True)
+        trainer.optimizer.zero_grad(set_to_none=True)
     if applied:  # 13. the schedule moves once per step that applied an update (not a skipped one)
-        run.scheduler.step()
-
-    # 11, after the update: the next step's alpha from one world entropy (a sum and a count, of
-    # the policy that sampled, over the rows trained: all when adaptive): the same c on every rank
-    state.world_entropy = world_mean(first["entropy_sum"], first["tokens"], device=device)
+        trainer.scheduler.step()
+    # 11, after the update: next alpha from one world entropy (sum, count) of the sampling policy
+    sampled = log.updates[0]
+    state.world_entropy = world_mean(sampled["entropy_sum"], sampled["tokens"], device=device)
     if args.use_adaptive_entropy:
-        state.entropy_coef, state.next_alpha = update_entropy_coef(
-            state.entropy_coef, state.world_entropy, target=args.entropy_target,
-            delta=args.entropy_coef_delta, coef_min=args.entropy_coef_min,
-            coef_max=args.entropy_coef_max)
-
+        state.c, state.alpha = update_entropy_coef(
+            state.c, state.world_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
+            coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
     # 14. log: world values (sums and counts over the ranks, or the world's min and max)
-    record = step_metrics(run, state, rewards, advantages, mask, no_eos, totals, first,
-                          n_cut, G, num_items)
-    dt = time.time() - t0
-    record.update(entropy_coef_applied=alpha, grad_norm=grad_norm.item(), lr=lr, step_time=dt,
-                  generate_time=gen_time, generate_share=gen_time / dt,
-                  tokens_per_s=num_items / dt, peak_mem_gib=peak_memory_gib(device))
-    if run.scaler.is_enabled():
-        record["loss_scale"] = run.scaler.get_scale()
+    record = step_metrics(trainer, state, rewards, advantages, mask, no_eos, totals, sampled,
+                          n_cut, G, N)
+    record.update(entropy_coef_applied=alpha, grad_norm=grad_norm.item(), lr=lr, **log.times(N))
+    if trainer.scaler.is_enabled():
+        record["loss_scale"] = trainer.scaler.get_scale()
     return record
+
+
+def loss_divisor(loss_type, rows, S, N, world, max_gen_len):
+    """Stage 9: the step's divisor D; the loss is sum L m / D over each micro-batch (README table).
+    rows: this rank's B*G rows in the step; S: its micro-batches; N: masked tokens, all ranks."""
+    if loss_type == "grpo":     # D = rows          (each row first averaged over its tokens)
+        return rows
+    if loss_type == "bnpo":     # D = S             (each micro-batch averaged over its tokens)
+        return S
+    if loss_type == "dr_grpo":  # D = rows * L_max
+        return rows * max_gen_len
+    if loss_type in ("dapo", "cispo"):  # D = max(N / world, 1)
+        return max(float(N) / world, 1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
 
 
 # --- Stages 1-2. Prompts and rollout: the *unwrapped* policy, eval mode, no graph -----------------
@@ -385,6 +375,18 @@ class SamplerLogps:
         return torch.stack(self.logps + [last], dim=1)
 
 
+def completion_mask(completion_ids, eos_token_id):
+    # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after;
+    # eos_token_id: one id or a list (any of them ends the completion)
+    eos = torch.as_tensor(eos_token_id, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos)                                      # [rows, T]
+    T = completion_ids.shape[1]
+    never = torch.full_like(is_eos[:, 0], T, dtype=torch.long)
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)
+    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
+    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)  # mask, no_eos [rows]
+
+
 # --- Stages 3-4. Rewards and advantages -----------------------------------------------------------
 def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None):
     # r_i = sum_k w_k * reward_k(o_i) over the rewards that apply (None: does not apply; TRL: NaN,
@@ -411,6 +413,13 @@ def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None)
     return rewards
 
 
+def world_std(values, device="cpu"):
+    # std (n - 1) of all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in fp64
+    s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(),
+                         device=device)
+    return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
+
+
 def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
     # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), std with n - 1 (torch.std, as TRL).
     # "batch" divides by batch_std (the trainer passes all ranks' std), else by this batch's std
@@ -428,7 +437,12 @@ def compute_advantages(rewards, num_generations, scale_rewards="group", batch_st
 
 
 # --- Stages 5-7, 10. The rows trained; reference, old and current log-probs; entropy --------------
-def rows_to_train(args, run, advantages, mask, alpha):
+def scored_distribution(args):
+    """The distribution scored (the ratio, the KL): the sampler's temperature and truncation."""
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def rows_to_train(args, trainer, advantages, mask, alpha):
     """The rows whose forward and backward can change the update: indices [kept]. A row with A = 0,
     or no masked token, adds exactly 0 to the gradient under a normalization whose divisor does not
     depend on the rows kept (README: Work without a gradient), so --skip_zero_advantage_rows 1 skips
@@ -436,42 +450,18 @@ def rows_to_train(args, run, advantages, mask, alpha):
     adaptive coefficient needs every row's entropy), the MoE router loss, or bnpo (skipping would
     change its divisor, each micro-batch's own tokens)."""
     exact = (args.beta == 0 and alpha == 0 and not args.use_adaptive_entropy
-             and not is_moe(run.model) and args.loss_type != "bnpo")
+             and not is_moe(trainer.model) and args.loss_type != "bnpo")
     if not (args.skip_zero_advantage_rows and exact):
         return torch.arange(len(advantages), device=advantages.device)
     # a NaN advantage is kept: the step sees it
     return ((advantages != 0) & (mask.sum(1) > 0)).nonzero().squeeze(1)
 
 
-def reference_and_old_logps(run, args, input_ids, attention_mask, T, kept, most_kept):
-    """Stages 5-6: reference (beta > 0) and old (mu > 1) log-probs of the kept rows, no graph:
-    [rows, T], 0 on rows not trained (never read), or None. Under FSDP the policy's forward
-    gathers every layer (a collective): while any rank keeps a row (most_kept: the world's most),
-    one that keeps none scores a stand-in row."""
-    out, kw = [], dict(chunk_size=args.logp_chunk_size, with_entropy=False,
-                       **scored_distribution(args))
-    for model, wanted in ((run.ref_model, run.ref_model is not None),
-                          (run.model, args.num_iterations > 1)):
-        logps = torch.zeros(input_ids.shape[0], T, device=input_ids.device) if wanted else None
-        stand_in = wanted and is_fsdp(model) and most_kept > 0 and len(kept) == 0
-        idx = kept.new_zeros(1) if stand_in else kept
-        if wanted and len(idx):
-            with torch.no_grad(), autocast(args, input_ids.device):
-                lp = completion_logps(model, input_ids[idx], attention_mask[idx], T, **kw)[0]
-            logps[kept] = lp[:len(kept)]
-        out.append(logps)
-    return out
-
-
-def scored_distribution(args):
-    """The distribution scored (the ratio, the KL): the sampler's temperature and truncation."""
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-
-
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
                      top_k=0, top_p=1.0, chunk_size=0, entropy_grad=False, with_entropy=True):
-    """Log-probs (and entropy) of each row's last T tokens: final hidden states through lm_head,
-    chunk_size tokens at a time (0: auto_chunk_tokens(V)), so [rows, T, V] logits never exist.
+    """Log-probs (and entropy) of each row's last T tokens: the model's forward, then its decoder's
+    last hidden states through lm_logits chunk_size tokens at a time (0: auto_chunk_tokens(V)), so
+    [rows, T, V] logits never exist.
     temperature, top_k, top_p: the distribution scored (0 and 1: the full one). Call it with the DDP
     wrapper: its forward makes DDP all-reduce the gradients. No pass asks for every layer's hidden
     states (without grad only the last is kept). Returns logps [rows, T], entropy [rows, T] (a graph
@@ -494,34 +484,24 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     truncating = top_k > 0 or top_p < 1.0
     vocab = unwrap(model).get_output_embeddings().weight.shape[0]
     chunk_size = chunk_size or auto_chunk_tokens(vocab) // (4 if truncating else 1) or 1
-    logps, entropy = chunked_logps(head, hidden, targets, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, chunk_size=chunk_size, entropy_grad=entropy_grad,
-                                   with_entropy=with_entropy)
-    return logps, entropy, aux
-
-
-def chunked_logps(lm_head, hidden, targets, *, temperature=1.0, top_k=0, top_p=1.0, chunk_size,
-                  entropy_grad=False, with_entropy=True):
-    """hidden [rows, T, H] -> logps, entropy [rows, T], chunk_size tokens of logits at a time: the
-    largest logits tensor is [chunk_size, V] however many rows there are."""
-    rows, T = targets.shape
-    logps, entropy = [], []
+    rows, logps, entropy = targets.shape[0], [], []
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     for h, y in zip(hidden.reshape(rows * T, hidden.shape[-1]).split(chunk_size),    # [c, H]
                     targets.reshape(rows * T).split(chunk_size)):                      # [c]
-        if torch.is_grad_enabled():  # keep the chunk's inputs; recompute its logits in backward
-            lp, ent = checkpoint(_chunk_logps_entropy, lm_head, h, y, sampling, entropy_grad,
+        if grad:  # keep the chunk's inputs; recompute its logits in backward
+            lp, ent = checkpoint(_chunk_logps_entropy, head, h, y, sampling, entropy_grad,
                                  with_entropy, use_reentrant=False)
         else:
-            lp, ent = _chunk_logps_entropy(lm_head, h, y, sampling, False, with_entropy)
+            lp, ent = _chunk_logps_entropy(head, h, y, sampling, False, with_entropy)
         logps.append(lp)
         entropy.append(ent)
-    return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T)
+    return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T), aux
 
 
 def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, with_entropy=True):
-    """One chunk: hidden [c, H] -> logits [c, V], which exist only here. lm_head: anything mapping
-    hidden states to logits; sampling: temperature, top_k, top_p of the distribution scored."""
+    """One chunk of completion_logps: hidden [c, H] -> logits [c, V], which exist only here.
+    lm_head: anything mapping hidden states to logits (lm_logits); sampling: temperature, top_k,
+    top_p of the distribution scored."""
     logits = lm_head(hidden).float()           # [c, V]: the one fp32 copy (bf16 under autocast)
     if sampling["temperature"] != 1.0:
         logits.div_(sampling["temperature"])   # in place: no second [c, V] (nothing saved it)
@@ -536,6 +516,20 @@ def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, with_
         # backward. The entropy is the full (tempered) distribution's, truncated or not
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return logps, entropy
+
+
+def lm_logits(model, hidden):
+    # z = lm_head(h), then what the model's own forward applies after it: Cohere z * logit_scale,
+    # Granite z / logits_scaling, Gemma-2/3 cap * tanh(z / cap); check_output_head() refuses others
+    config = model.config.get_text_config()
+    z = model.get_output_embeddings()(hidden)
+    if getattr(config, "logit_scale", None) is not None:
+        z = z * config.logit_scale
+    if getattr(config, "logits_scaling", None) is not None:
+        z = z / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):
+        z = torch.tanh(z / config.final_logit_softcapping) * config.final_logit_softcapping
+    return z
 
 
 def top_k_top_p_filter(z, top_k=0, top_p=1.0, keep=None):
@@ -558,21 +552,9 @@ def top_k_top_p_filter(z, top_k=0, top_p=1.0, keep=None):
     return z.masked_fill(drop, float("-inf"))
 
 
-def completion_mask(completion_ids, eos_token_id):
-    # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after;
-    # eos_token_id: one id or a list (any of them ends the completion)
-    eos = torch.as_tensor(eos_token_id, device=completion_ids.device)
-    is_eos = torch.isin(completion_ids, eos)                                      # [rows, T]
-    T = completion_ids.shape[1]
-    never = torch.full_like(is_eos[:, 0], T, dtype=torch.long)
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)
-    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
-    return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)  # mask, no_eos [rows]
-
-
 def selective_log_softmax(logits, index):
-    # log p(index) = z[index] - logsumexp(z), row by row: never a full [.., V] fp32 log-softmax;
-    # one temporary the size of z, which the caller's chunk bounds (LOGITS_BUDGET_MIB, or N tokens)
+    # log p(index) = z[index] - logsumexp(z) over the last dim, without a [.., V] log-softmax: its
+    # temporaries are the size of z, which the caller's chunk bounds (LOGITS_BUDGET_MIB, N tokens)
     z = logits.reshape(-1, logits.shape[-1]).float()                                # [N, V]
     logps = z.gather(-1, index.reshape(-1, 1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return logps.view(index.shape)
@@ -586,13 +568,12 @@ def entropy_from_logits(logits):
 
 
 # --- Stages 8-9. The objective and its normalization ---------------------------------------------
-def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high,
-              ref_logps=None, beta=0.0, max_gen_len=None, num_items=None, world_size=1,
-              entropy=None, entropy_coef=0.0, accum_steps=1, step_rows=None,
+def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high, divisor,
+              ref_logps=None, beta=0.0, entropy=None, alpha=0.0,
               importance_sampling_level="token"):
-    """logps/old_logps/ref_logps/mask/entropy: [rows, T]; advantages: [rows]. Returns (loss,
-    stats). old_logps and ref_logps must carry no graph: pass logps.detach() when on-policy.
-    step_rows: grpo's and dr_grpo's row count (aggregate). importance_sampling_level "sequence"
+    """logps/old_logps/ref_logps/mask/entropy: [rows, T]; advantages: [rows]; divisor: the step's D
+    (loss_divisor). Returns (loss, stats). old_logps and ref_logps must carry no graph: pass
+    logps.detach() when on-policy. importance_sampling_level "sequence"
     (GSPO): one ratio s_i per sequence, clipped and applied to each of its tokens (meant for grpo,
     refused for cispo); clip_ratio counts masked tokens either way: a clipped sequence counts all
     its tokens."""
@@ -616,8 +597,6 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
         pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
         clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
     per_token = pg  # the policy-gradient term; the KL and entropy terms join it below
-    norm = dict(loss_type=loss_type, max_gen_len=max_gen_len, num_items=num_items,
-                world_size=world_size, accum_steps=accum_steps, step_rows=step_rows)
     stats = {}
     if beta > 0:
         # k3: KL = exp(ref - logp) - (ref - logp) - 1, added as + beta * KL
@@ -625,30 +604,34 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
         stats["kl_sum"] = (kl * mask).sum().detach()                              # logged: a sum
-    if entropy is not None and entropy_coef != 0.0:
-        per_token = per_token - entropy_coef * entropy                            # - alpha * H
-    loss = aggregate(per_token, mask, **norm)
-    stats["policy_loss"] = aggregate(pg.detach(), mask, **norm)
+    if entropy is not None and alpha != 0.0:
+        per_token = per_token - alpha * entropy                                   # - alpha * H
+
+    def normalized(x):  # 9. sum L m / D; grpo first averages each row, bnpo the micro-batch
+        total = x * mask
+        if loss_type == "grpo":  # sum_i [sum_t L m / max(sum_t m, 1)] / D
+            return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / divisor
+        if loss_type == "bnpo":  # sum L m / max(sum m, 1) / D
+            return total.sum() / mask.sum().clamp(min=1) / divisor
+        return total.sum() / divisor  # dr_grpo, dapo, cispo
+    loss = normalized(per_token)
+    stats["policy_loss"] = normalized(pg.detach())
     stats["clip_ratio"] = (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
     return loss, stats
 
 
-def aggregate(per_token, mask, *, loss_type, max_gen_len=None, num_items=None, world_size=1,
-              accum_steps=1, step_rows=None):
-    """A per-token quantity [rows, T] -> the scalar the loss uses (the README's stage 9 table). grpo
-    and dr_grpo divide by this rank's rows in the whole step, skipped ones too: step_rows."""
-    total = per_token * mask
-    rows = step_rows or mask.shape[0] * accum_steps  # None: micro-batch rows x S (if none skipped)
-    if loss_type == "grpo":     # sum_i [ sum_t L m / max(sum_t m, 1) ] / rows  (= mean_i [..] / S)
-        return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / rows
-    if loss_type == "bnpo":     # sum L m / max(sum m, 1) / S   (this rank's micro-batch)
-        return total.sum() / mask.sum().clamp(min=1) / accum_steps
-    if loss_type == "dr_grpo":  # sum L m / (rows * L_max)
-        return total.sum() / (rows * (max_gen_len or mask.shape[1]))
-    if loss_type in ("dapo", "cispo"):  # sum L m / (N / world_size), N: the step's masked tokens
-        n = num_items if num_items is not None else mask.sum()
-        return total.sum() / max(float(n) / world_size, 1.0)
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
+# --- Stage 13. The learning-rate schedule --------------------------------------------------------
+def lr_factor(updated, args):
+    # the next update's rate is lr * f, `updated`: steps so far that applied an update (the
+    # scheduler's count: a step whose updates were all skipped does not move it), from 0:
+    # f = (updated + 1) / (warmup + 1) in warmup, then 1 (constant)
+    # or 0.5 (1 + cos(pi * (updated - warmup) / (max_steps - warmup))) (cosine)
+    if updated < args.warmup_steps:
+        return (updated + 1) / (args.warmup_steps + 1)
+    if args.lr_scheduler == "constant":
+        return 1.0
+    progress = (updated - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
 # --- Stage 11. The next step's entropy coefficient: one world number on every rank ----------------
@@ -658,13 +641,19 @@ def world_mean(local_sum, local_count, device="cpu"):
     return total / count if count else float("nan")  # nan: nothing was measured
 
 
-def update_entropy_coef(coef, world_entropy, *, target, delta, coef_min, coef_max):
+def update_entropy_coef(c, world_entropy, *, target, delta, coef_min, coef_max):
     # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min)
     # the next step applies alpha = c if H_w < target else 0
     if world_entropy < target:
-        new = min(coef + delta, coef_max)
-        return new, new
-    return max(coef - delta, coef_min), 0.0
+        c = min(c + delta, coef_max)
+        return c, c
+    return max(c - delta, coef_min), 0.0
+
+
+# ==================================================================================================
+# PLUMBING: what runs the step (flags, data, models, processes, checkpoints, reporting); no formula
+# of the step below.
+# ==================================================================================================
 
 
 # --- The loop: set up, then one grpo_step per step ------------------------------------------------
@@ -677,12 +666,12 @@ def train(args, rank, world, device):
     # frozen reference copy of the starting policy, only when the KL term exists
     ref_model = frozen_copy(policy, getattr(torch, args.dtype)) if args.beta > 0 else None
     optimizer, scheduler = build_optimizer(policy, args)
-    run = Run(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer,
-              reward_fns, weights, world, device)
+    trainer = Trainer(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device),
+                      tokenizer, reward_fns, weights, world, device)
 
     # --- fresh start (with the eval before any update), or resume from a checkpoint ---
     state, metrics_path, (report, close_report) = start_or_resume(
-        args, run, scheduler, eval_rows, score, eval_key, rank)
+        args, trainer, scheduler, eval_rows, score, eval_key, rank)
 
     # --- the loop: prompts, one GRPO step, evaluate, log, save ---
     model.train()
@@ -692,7 +681,7 @@ def train(args, rank, world, device):
         state.step = step
         rows = next_prompts(prompt_order, train_rows, state, args.batch_size)
         cut_before = state.truncated_prompts
-        record = {"step": step, **grpo_step(args, run, rows, state)}
+        record = {"step": step, **grpo_step(args, trainer, rows, state)}
         stop_if_failing(args, state, step)
         if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
             record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world,
@@ -702,7 +691,7 @@ def train(args, rank, world, device):
         stopping = args.stop_after and step >= args.stop_after
         periodic = args.save_interval and step % args.save_interval == 0
         if periodic or step == args.max_steps or stopping:
-            save(args, run, scheduler, state, rank)
+            save(args, trainer, scheduler, state, rank)
         if stopping:
             break
 
@@ -710,8 +699,8 @@ def train(args, rank, world, device):
     if close_report is not None:
         close_report()
     barrier()
-    return {"model": policy, "step": state.step, "entropy_coef": state.entropy_coef,
-            "next_alpha": state.next_alpha, "world_entropy": state.world_entropy}
+    return {"model": policy, "step": state.step, "c": state.c, "alpha": state.alpha,
+            "world_entropy": state.world_entropy}
 
 
 def frozen_copy(policy, dtype):
@@ -741,9 +730,57 @@ def frozen_copy(policy, dtype):
     return ref.eval().requires_grad_(False)
 
 
-# ==================================================================================================
-# PLUMBING: no GRPO formula below. Flags, tasks and data, models, DDP/FSDP, checkpoints, reporting.
-# ==================================================================================================
+# --- The step's bookkeeping: its timing and sums (for the log), gradients without rows -----------
+class StepLog:
+    """Stage 14's bookkeeping for one step: its clock (started here with the peak memory reset;
+    `with log:` times the rollout) and each update's sums over its micro-batches (updates[0]: the
+    policy that sampled), Python floats added in micro-batch order."""
+    def __init__(self, device):
+        self.device, self.start, self.generate_time, self.updates = device, time.time(), 0.0, []
+        reset_peak_memory(device)
+
+    def __enter__(self):
+        self.generate_start = time.time()
+
+    def __exit__(self, *exc):
+        self.generate_time = time.time() - self.generate_start
+
+    def new_update(self, rows):
+        self.updates.append({"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0,
+                             "aux": 0.0, "entropy_sum": 0.0, "tokens": 0.0, "rows": rows,
+                             "gap": [], "gap_mask": []})  # gap: old - sampler logp, [trained, T]
+        return self.updates[-1]
+
+    @staticmethod
+    def add(totals, loss, stats, entropy, m, gap, aux, S):
+        tokens = m.sum().item()
+        for k, v in (("loss", loss.detach()), ("policy_loss", stats["policy_loss"]),
+                     ("tokens", tokens), ("kl_sum", stats.get("kl_sum", 0.0)),
+                     ("clip", stats["clip_ratio"] * tokens),
+                     ("entropy_sum", (entropy.detach() * m).sum())):
+            totals[k] += float(v)
+        if aux is not None:
+            totals["aux"] += aux.item() / S
+        totals["gap"].append(torch.where(m.bool(), gap, 0.0))
+        totals["gap_mask"].append(m)
+
+    def times(self, num_items):
+        dt = time.time() - self.start
+        return dict(step_time=dt, generate_time=self.generate_time,
+                    generate_share=self.generate_time / dt, tokens_per_s=num_items / dt,
+                    peak_mem_gib=peak_memory_gib(self.device))
+
+
+def zero_gradient_without_rows(trainer, stand_in_logps=None):
+    """A gradient of exactly 0 where there is no row to train: a rank out of rows backpropagates
+    0 x its stand-in row's log-probs (DDP's all-reduce, FSDP's reduce-scatter still run); in a step
+    where no rank keeps a row, every gradient is set to a (scaled) zero: AdamW steps as after rows
+    with A = 0 (a zero gradient, not none)."""
+    if stand_in_logps is not None:
+        trainer.scaler.scale(0.0 * stand_in_logps.sum()).backward()
+        return
+    for p in unwrap(trainer.model).parameters():  # fp16: scale() creates the scale unscale_ reads
+        p.grad = trainer.scaler.scale(torch.zeros_like(p)) if p.requires_grad else None
 
 
 # --- Flags: checked before any work; a problem is one line `error: ...` ---------------------------
@@ -766,7 +803,8 @@ def build_parser():
     parser.error = lambda message: parser.exit(2, f"error: {message}\n")  # one line, no usage
     fields, group = {f.name: f for f in dataclasses.fields(Args)}, parser
     for line in inspect.getsource(Args).splitlines():
-        comment, name = re.fullmatch(r"    # (.+)", line), re.match(r"    (\w+): \w+ = opt\(", line)
+        comment = re.fullmatch(r"    # (.+)", line)
+        name = re.match(r"    (\w+): \w+ = flag\(", line)
         if comment:
             group = parser.add_argument_group(comment.group(1))
         elif name:
@@ -774,7 +812,7 @@ def build_parser():
             group.add_argument(f"--{f.name}", type=type(f.default), default=argparse.SUPPRESS,
                                choices=f.metadata.get("choices"),
                                help=f"{f.metadata['help']} (default: {f.default!r})")
-    assert not fields, f"Args fields not declared as `name: type = opt(...)`: {sorted(fields)}"
+    assert not fields, f"Args fields not declared as `name: type = flag(...)`: {sorted(fields)}"
     return parser
 
 
@@ -1219,20 +1257,6 @@ def forward_last_hidden(model, **inputs):
     return caught[0], out
 
 
-def lm_logits(model, hidden):
-    # z = lm_head(h), then what the model's own forward applies after it: Cohere z * logit_scale,
-    # Granite z / logits_scaling, Gemma-2/3 cap * tanh(z / cap); check_output_head() refuses others
-    config = model.config.get_text_config()
-    z = model.get_output_embeddings()(hidden)
-    if getattr(config, "logit_scale", None) is not None:
-        z = z * config.logit_scale
-    if getattr(config, "logits_scaling", None) is not None:
-        z = z / config.logits_scaling
-    if getattr(config, "final_logit_softcapping", None):
-        z = torch.tanh(z / config.final_logit_softcapping) * config.final_logit_softcapping
-    return z
-
-
 class Fp32Linear(torch.nn.Linear):
     """--cast_lm_head_to_fp32: the model's own lm_head, z = float(h) @ float(W)^T under any autocast
     (bf16 autocast rounds h and W to 8 bits of mantissa first: the largest source of sampler/trainer
@@ -1408,16 +1432,8 @@ def build_optimizer(policy, args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
 
-    def lr_factor(step):
-        # GRPO step `step` (from 0) uses lr * f: f = (step + 1) / (warmup + 1) in warmup, then 1
-        # (constant) or 0.5 (1 + cos(pi * (step - warmup) / (max_steps - warmup))) (cosine)
-        if step < args.warmup_steps:
-            return (step + 1) / (args.warmup_steps + 1)
-        if args.lr_scheduler == "constant":
-            return 1.0
-        progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda updated: lr_factor(updated, args))
 
 
 def loss_scaler(dtype, device):
@@ -1616,23 +1632,22 @@ def barrier():
         dist.barrier()
 
 
-def world_sum(*values, device="cpu", op="SUM"):
-    """Each value summed (op="MAX": its largest) over all ranks in one all-reduce; alone: as is."""
+def _all_reduce(values, device, op):
+    # the values as one fp64 tensor, one all-reduce (op: "SUM" or "MAX"); one process: as they are
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return t.tolist()
 
 
+def world_sum(*values, device="cpu"):
+    """Each value summed over all ranks, in one all-reduce."""
+    return _all_reduce(values, device, "SUM")
+
+
 def world_max(*values, device="cpu"):
-    return world_sum(*values, device=device, op="MAX")
-
-
-def world_std(values, device="cpu"):
-    # std (n - 1) of all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in fp64
-    s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(),
-                         device=device)
-    return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
+    """Each value's largest over all ranks, in one all-reduce."""
+    return _all_reduce(values, device, "MAX")
 
 
 # --- Checkpoints (stage 14): HF weights + trainer state, a temp dir renamed when whole ------------
@@ -1721,20 +1736,20 @@ def load_weights(model, ckpt, trust_remote_code=False):
         model.load_state_dict(saved)
 
 
-def save(args, run, scheduler, state, rank):
+def save(args, trainer, scheduler, state, rank):
     # DDP: rank 0 saves AdamW; FSDP: each rank its shard, as local tensors (weights_only loads)
-    optimizer, shard = run.optimizer.state_dict(), None
-    if is_fsdp(run.model):
+    optimizer, shard = trainer.optimizer.state_dict(), None
+    if is_fsdp(trainer.model):
         plain = lambda st: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in st.items()}
         shard = {**optimizer, "state": {i: plain(st) for i, st in optimizer["state"].items()}}
     trainer_state = {**dataclasses.asdict(state), "scheduler": scheduler.state_dict(),
-                     "scaler": run.scaler.state_dict(),  # fp16's loss scale, its good steps' run
+                     "scaler": trainer.scaler.state_dict(),  # fp16's scale, its good-step count
                      "optimizer": None if shard is not None else optimizer}
-    save_checkpoint(args.save_dir, state.step, run.model, run.tokenizer, trainer_state, rank,
-                    optimizer_shard=shard)
+    save_checkpoint(args.save_dir, state.step, trainer.model, trainer.tokenizer, trainer_state,
+                    rank, optimizer_shard=shard)
 
 
-def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
+def start_or_resume(args, trainer, scheduler, eval_rows, score, eval_key, rank):
     """A fresh start (empty log, per-rank sampling seeds, the eval before any update) or a resume
     from --resume's checkpoint: the loop state, the metrics file and --report_to's (send, close)."""
     if rank == 0:
@@ -1742,29 +1757,27 @@ def start_or_resume(args, run, scheduler, eval_rows, score, eval_key, rank):
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
     ckpt = find_checkpoint(args.save_dir) if args.resume == "auto" else (args.resume or None)
     if ckpt:
-        state = resume(args, ckpt, run, scheduler, rank, metrics_path)
+        state = resume(args, ckpt, trainer, scheduler, rank, metrics_path)
         return state, metrics_path, open_report(args, rank, resumed_at=state.step)
     report = open_report(args, rank)
-    # adaptive: c starts at --entropy_coef, alpha at 0 until a world entropy is measured (as TRL)
-    state = TrainState(entropy_coef=args.entropy_coef,
-                       next_alpha=0.0 if args.use_adaptive_entropy else args.entropy_coef)
+    state = TrainState.initial(args)
     # ranks sample differently; RNG no longer depends on the warmup
     torch.manual_seed(args.seed + 1 + rank)
     random.seed(args.seed + 1 + rank)
     if rank == 0:
         open(metrics_path, "w").close()
     if args.eval_interval > 0:
-        acc = evaluate(unwrap(run.model), run.tokenizer, eval_rows, score, args, rank, run.world,
-                       run.device)
+        acc = evaluate(unwrap(trainer.model), trainer.tokenizer, eval_rows, score, args, rank,
+                       trainer.world, trainer.device)
         log_metrics(metrics_path, {"step": 0, eval_key: acc}, rank, report[0])
         if rank == 0:
             print(f"{eval_key} before GRPO: {acc:.3f}")
     return state, metrics_path, report
 
 
-def resume(args, ckpt, run, scheduler, rank, metrics_path):
+def resume(args, ckpt, trainer, scheduler, rank, metrics_path):
     """Restore all a checkpoint holds (this rank's RNG too); trim the log to the checkpoint."""
-    policy, optimizer = unwrap(run.model), run.optimizer
+    policy, optimizer = unwrap(trainer.model), trainer.optimizer
     load_weights(policy, ckpt, trust_remote_code=bool(args.trust_remote_code))
 
     def load(name, why=""):  # weights_only: a checkpoint holds data, never code to run
@@ -1790,9 +1803,11 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
     scheduler.load_state_dict(saved.pop("scheduler"))
     scaler_state = saved.pop("scaler", {})
     if scaler_state:  # {} when written without fp16; a disabled scaler ignores it
-        run.scaler.load_state_dict(scaler_state)
-    if "entropy_coef_applied" in saved:  # a checkpoint written before the field's rename
-        saved["next_alpha"] = saved.pop("entropy_coef_applied")
+        trainer.scaler.load_state_dict(scaler_state)
+    renamed = {"entropy_coef": "c", "next_alpha": "alpha", "entropy_coef_applied": "alpha"}
+    for old, new in renamed.items():
+        if old in saved:  # a checkpoint written before the fields' renames
+            saved[new] = saved.pop(old)
     state = TrainState(**saved)
     set_rng_state(load(f"rng_state_{rank}.pt", " (it was written by fewer ranks)"))
     if rank == 0:  # keep the log of the steps this checkpoint contains, drop any logged after it
@@ -1805,14 +1820,14 @@ def resume(args, ckpt, run, scheduler, rank, metrics_path):
 
 
 # --- Evaluation and reporting ---------------------------------------------------------------------
-def step_metrics(run, state, rewards, advantages, mask, no_eos, totals, first, prompts_cut, G,
-                 num_items):
+def step_metrics(trainer, state, rewards, advantages, mask, no_eos, totals, sampled, prompts_cut,
+                 G, num_items):
     """The step's record: world values (sums and counts over ranks, or the world's min and max).
     With mu > 1 it mixes two updates: loss, policy_loss, kl, clip_ratio and grad_norm are the last
-    update's (`totals`), entropy and the sampler mismatch the first's (`first`: the policy that
+    update's (`totals`), entropy and the sampler mismatch the first's (`sampled`: the policy that
     sampled). entropy, clip_ratio and the mismatch cover the rows trained on (rows_trained, all
     ranks; all rows unless zero-advantage rows are skipped); a step training no token has none."""
-    world, device = run.world, run.device
+    world, device = trainer.world, trainer.device
     grouped = rewards.view(-1, G)
     zero_std = (grouped.amax(1) == grouped.amin(1)).float().mean()  # groups whose rewards all tie
     (r_mean, r_sq, a_mean, a_sq, c_len, trunc, zero_std, loss, pl, kl, clip, aux, cut, trained,
@@ -1823,14 +1838,16 @@ def step_metrics(run, state, rewards, advantages, mask, no_eos, totals, first, p
                          totals["rows"], totals["tokens"], device=device)
     state.truncated_prompts += int(cut)
     # the policy that sampled against the sampler, per masked token trained on
-    mismatch = sampler_mismatch(first["gap"], first["gap_mask"], device)
+    gap, gap_mask = (torch.cat(sampled[k]) if sampled[k] else torch.zeros(0)
+                     for k in ("gap", "gap_mask"))  # [trained, T]
+    mismatch = sampler_mismatch(gap, gap_mask, device)
     record = {"reward": r_mean / world,
               "reward_std": math.sqrt(max(r_sq / world - (r_mean / world) ** 2, 0.0)),
               "frac_reward_zero_std": zero_std / world,
               "advantage_std": math.sqrt(max(a_sq / world - (a_mean / world) ** 2, 0.0)),
               "loss": loss / world, "policy_loss": pl / world,
               "kl": kl / max(num_items, 1.0),  # a masked mean over all tokens of all ranks
-              "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
+              "entropy": state.world_entropy, "entropy_coef": state.c,
               "clip_ratio": clip / max(tokens, 1.0), "completion_len": c_len / world,
               "truncated_frac": trunc / world, "rows_trained": int(trained), **mismatch,
               "skipped_steps": state.skipped_steps, "skipped_steps_in_a_row": state.bad_in_a_row,
@@ -1838,7 +1855,7 @@ def step_metrics(run, state, rewards, advantages, mask, no_eos, totals, first, p
     if tokens == 0:  # no token trained: no entropy, clipping or mismatch was measured
         for k in ("entropy", "clip_ratio", *mismatch):
             del record[k]
-    if is_moe(run.model):
+    if is_moe(trainer.model):
         record["aux_loss"] = aux / world
     return record
 

@@ -20,6 +20,15 @@ import train_grpo as tg  # noqa: E402
 H, V = 896, 151_936
 
 
+def chunked(lm_head, hidden, targets, chunk_size):
+    """completion_logps' chunk loop on given hidden states: each chunk's logits recomputed in backward."""
+    from torch.utils.checkpoint import checkpoint
+    full = dict(temperature=1.0, top_k=0, top_p=1.0)
+    parts = [checkpoint(tg._chunk_logps_entropy, lm_head, h, y, full, False, use_reentrant=False)
+             for h, y in zip(hidden.reshape(-1, hidden.shape[-1]).split(chunk_size), targets.reshape(-1).split(chunk_size))]
+    return (torch.cat([p[i] for p in parts]).view(targets.shape) for i in (0, 1))
+
+
 def one_variant(variant, rows, T, device):
     torch.manual_seed(0)
     lm_head = torch.nn.Linear(H, V, bias=False, device=device)
@@ -38,7 +47,7 @@ def one_variant(variant, rows, T, device):
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if variant == "c":
-            logps, entropy = tg.chunked_logps(lm_head, hidden, targets, chunk_size=256)  # 4 rows x 64 positions
+            logps, entropy = chunked(lm_head, hidden, targets, 256)  # 4 rows x 64 positions
         else:
             logits = lm_head(hidden).float()                                     # [rows, T, V] in the graph
             logps = tg.selective_log_softmax(logits, targets)
@@ -47,7 +56,8 @@ def one_variant(variant, rows, T, device):
             else:
                 with torch.no_grad():
                     entropy = tg.entropy_from_logits(logits.detach())
-        loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2)
+        loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
+                               divisor=rows)
         _ = (entropy * mask).sum().item()                                        # logged
     loss.backward()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss      # KiB on Linux

@@ -56,8 +56,8 @@ def main():
         tg.cast_lm_head_to_fp32(model) if args.cast_lm_head_to_fp32 else plain_head(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        run = tg.Run(model, None, optimizer, constant, tg.loss_scaler(args.dtype, "cpu"), tok, reward_fns,
-                     weights, 1, "cpu")
+        run = tg.Trainer(model, None, optimizer, constant, tg.loss_scaler(args.dtype, "cpu"), tok, reward_fns,
+                         weights, 1, "cpu")
         torch.manual_seed(1)
         t0 = time.time()
         r = tg.grpo_step(args, run, train_rows[:args.batch_size], tg.TrainState())

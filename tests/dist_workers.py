@@ -26,7 +26,7 @@ def train(rank, world, argv, out_dir, bypass_ddp=False):
     tg.tokenize_prompts = lambda tok, prompts, *a, **k: prompts_seen.append(sorted(set(prompts))) or tokenize(tok, prompts, *a, **k)
     res = tg.main(argv)
     torch.save({"params": {k: v.clone() for k, v in res["model"].state_dict().items()}, "prompts": prompts_seen,
-                "entropy_coef": res["entropy_coef"], "entropy_coef_applied": res["next_alpha"]},
+                "entropy_coef": res["c"], "entropy_coef_applied": res["alpha"]},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -61,7 +61,8 @@ def moe_empty_expert(rank, world, out_dir):
     used.clear()
     logps, _, aux = tg.completion_logps(ddp, input_ids, attn, comp.shape[1])
     adv = torch.randn(logps.shape[0], generator=torch.Generator().manual_seed(rank))
-    loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2)
+    loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
+                           divisor=mask.shape[0])
     (loss + model.config.router_aux_loss_coef * aux).backward()
     router_grad = model.model.layers[0].mlp.gate.weight.grad.abs().sum().item()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
@@ -244,7 +245,7 @@ def world_quantities(rank, world, out_dir):
         logp = torch.log_softmax(z.double(), -1)
         ent = -(logp.exp() * logp).sum(-1)
     seen = {"batch_std": [], "num_items": [], "local_loss": [], "most_kept": [], "forwards": 0}
-    real = {k: getattr(tg, k) for k in ("compute_advantages", "grpo_loss", "reference_and_old_logps",
+    real = {k: getattr(tg, k) for k in ("compute_advantages", "grpo_loss", "loss_divisor", "world_max",
                                         "completion_logps")}
     step = [1]
 
@@ -255,21 +256,26 @@ def world_quantities(rank, world, out_dir):
             adv[-1] = float("nan")                                # rank 1's loss alone is not finite
         return adv
 
+    def loss_divisor(loss_type, rows, S, N, *a):
+        seen["num_items"].append(N)
+        return real["loss_divisor"](loss_type, rows, S, N, *a)
+
     def grpo_loss(*a, **k):
-        seen["num_items"].append(k["num_items"])
         loss, stats = real["grpo_loss"](*a, **k)
         seen["local_loss"].append(loss.item())
         return loss, stats
 
-    def reference_and_old_logps(*a):
-        seen["most_kept"].append(a[-1])
-        return real["reference_and_old_logps"](*a)
+    def world_max(*a, **k):  # the step's (widest, most kept); sampler_mismatch's take 3 values
+        out = real["world_max"](*a, **k)
+        if len(a) == 2:
+            seen["most_kept"].append(out[1])
+        return out
 
     def completion_logps(*a, **k):
         seen["forwards"] += step[0] == 1 and torch.is_grad_enabled()
         return real["completion_logps"](*a, **k)
     stand_ins = dict(compute_advantages=compute_advantages, grpo_loss=grpo_loss, completion_logps=completion_logps,
-                     reference_and_old_logps=reference_and_old_logps,
+                     loss_divisor=loss_divisor, world_max=world_max,
                      tokenize_prompts=lambda *a, **k: (ids[:, :P], am[:, :P], 0),
                      rollout=lambda *a, **k: (ids[:, P:], mask, torch.zeros(8, dtype=torch.bool), torch.zeros(8, T)),
                      decode_completions=lambda *a: [""] * 8, compute_rewards=lambda *a: rewards.clone())
@@ -295,7 +301,7 @@ def world_quantities(rank, world, out_dir):
 
 def fsdp_old_logps_keep_one_hidden_state(rank, world, out_dir):
     """--fsdp 1 --num_iterations 2 on 2 ranks fed different rollouts: the no-grad pass that scores the old
-    log-probs (reference_and_old_logps). Saves what its forwards were asked for and returned, how many decoder
+    log-probs (grpo_step's completion_logps without grad). Saves what its forwards were asked for and returned, how many decoder
     layers' outputs were alive when the final norm ran, and the old log-probs next to a plain full-logits
     forward's."""
     import weakref
@@ -319,8 +325,9 @@ def fsdp_old_logps_keep_one_hidden_state(rank, world, out_dir):
     model.model.norm.register_forward_pre_hook(
         lambda m, a: alive.append(sum(r() is not None for r in layer_outputs)) or layer_outputs.clear())
     kept = torch.arange(input_ids.shape[0])
-    _, old = tg.reference_and_old_logps(tg.Run(wrapped, None, None, None, None, tok, [], [], world), args,
-                                        input_ids, attn, T, kept, len(kept))
+    with torch.no_grad():
+        old = tg.completion_logps(wrapped, input_ids[kept], attn[kept], T, with_entropy=False,
+                                  chunk_size=args.logp_chunk_size, **tg.scored_distribution(args))[0]
     torch.save({"asked": asked, "returned": returned, "alive": alive, "old": old, "want": want, "mask": mask},
                os.path.join(out_dir, f"old_{rank}.pt"))
     close_group()

@@ -147,8 +147,8 @@ def step_on_batch(args, run, batch, state=None):
 
 
 def make_run(model, tok=None, optimizer=None, world=1, fp16=False, reward_fns=(), weights=(), scheduler=None):
-    """The trainer's Run for a test that calls grpo_step or its stages directly."""
+    """The Trainer for a test that calls grpo_step or its stages directly."""
     scaler = torch.amp.GradScaler("cpu", enabled=fp16)
     if scheduler is None and optimizer is not None:  # a constant rate
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return tg.Run(model, None, optimizer, scheduler, scaler, tok, list(reward_fns), list(weights), world, "cpu")
+    return tg.Trainer(model, None, optimizer, scheduler, scaler, tok, list(reward_fns), list(weights), world, "cpu")

@@ -229,6 +229,7 @@ def test_a_checkpoint_written_before_next_alpha_was_named_so_resumes(tmp_path):
     tg.main(base + ["--stop_after", "1"])
     path = os.path.join(tg.find_checkpoint(str(tmp_path)), "trainer_state.pt")
     saved = torch.load(path, weights_only=True)
-    saved["entropy_coef_applied"] = saved.pop("next_alpha")            # the old field name
+    saved["entropy_coef_applied"] = saved.pop("alpha")                 # the old field names
+    saved["entropy_coef"] = saved.pop("c")
     torch.save(saved, path)
-    assert tg.main(base + ["--resume", "auto"])["next_alpha"] == 0.01
+    assert tg.main(base + ["--resume", "auto"])["alpha"] == 0.01

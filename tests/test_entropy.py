@@ -108,7 +108,7 @@ def test_chunked_path_equals_full_logits_path(use_moe, alpha):
     logps, ent, aux = tg.completion_logps(model, input_ids, attn, comp.shape[1], chunk_size=2,
                                           entropy_grad=alpha != 0)
     loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
-                           entropy=ent, entropy_coef=alpha)
+                           divisor=mask.shape[0], entropy=ent, alpha=alpha)
     if use_moe:
         loss = loss + model.config.router_aux_loss_coef * aux
     grads = torch.autograd.grad(loss, list(model.parameters()))

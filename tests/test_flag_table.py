@@ -46,7 +46,7 @@ def one_step(**flags):
     applied = []                              # the norm of the gradient each optimizer step receives
     optimizer.register_step_pre_hook(lambda *_: applied.append(
         torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item()))
-    state = tg.TrainState(entropy_coef=args.entropy_coef, next_alpha=args.entropy_coef)
+    state = tg.TrainState(c=args.entropy_coef, alpha=args.entropy_coef)
     calls = {"rollout": [], "lm_logits": [], "generate": []}
     real_rollout, real_head = tg.rollout, tg.lm_logits
     real_generate = model.generate
@@ -167,15 +167,15 @@ FLAGS = {
     # entropy
     "logp_chunk_size": [step(7, lambda d, f: max(f.calls["lm_logits"]) == 7 and max(d.calls["lm_logits"]) > 7)],
     "entropy_coef": [step(0.5, lambda d, f: f.record["loss"] != d.record["loss"] and update_differs(d, f))],
-    "use_adaptive_entropy": [step(1, lambda d, f: f.state.entropy_coef != d.state.entropy_coef,
+    "use_adaptive_entropy": [step(1, lambda d, f: f.state.c != d.state.c,
                                   entropy_target=9.0)],
-    "entropy_target": [step(9.0, lambda d, f: f.state.entropy_coef > 0.002 > d.state.entropy_coef,
+    "entropy_target": [step(9.0, lambda d, f: f.state.c > 0.002 > d.state.c,
                             use_adaptive_entropy=1, entropy_coef=0.002)],  # H ~2.4: below 9, above 0.2
-    "entropy_coef_delta": [step(1e-3, lambda d, f: f.state.entropy_coef == pytest.approx(1e-3),
+    "entropy_coef_delta": [step(1e-3, lambda d, f: f.state.c == pytest.approx(1e-3),
                                 use_adaptive_entropy=1, entropy_target=9.0)],
-    "entropy_coef_min": [step(0.001, lambda d, f: f.state.entropy_coef == pytest.approx(0.001),
+    "entropy_coef_min": [step(0.001, lambda d, f: f.state.c == pytest.approx(0.001),
                               use_adaptive_entropy=1, entropy_target=0.0)],
-    "entropy_coef_max": [step(5e-5, lambda d, f: f.state.entropy_coef == pytest.approx(5e-5),
+    "entropy_coef_max": [step(5e-5, lambda d, f: f.state.c == pytest.approx(5e-5),
                               use_adaptive_entropy=1, entropy_target=9.0)],
     # optimization
     "max_steps": [step(4, lambda d, f: f.record["lr_next"] != d.record["lr_next"], lr_scheduler="cosine")],

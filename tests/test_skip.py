@@ -176,7 +176,7 @@ def test_the_entropy_bonus_this_step_applies_decides_not_the_flag():
     args = tg.parse_args([])
     advantages, mask = torch.tensor([0.0, 1.0, 0.0, -1.0]), torch.ones(4, 3)
     model, _ = tiny()
-    run = tg.Run(model, None, None, None, None, None, [], [])
+    run = tg.Trainer(model, None, None, None, None, None, [], [])
     assert tg.rows_to_train(args, run, advantages, mask, 0.0).tolist() == [1, 3]
     assert tg.rows_to_train(args, run, advantages, mask, 0.05).tolist() == [0, 1, 2, 3]
     mask[1] = 0                                                   # no masked token: nothing to train either

@@ -143,7 +143,7 @@ def test_sequence_ratio_loss_gradient_and_clip_ratio_by_hand():
     A = torch.tensor([1.0, -1.0, 2.0])
     logps = (old + shift).requires_grad_(True)
     loss, stats = tg.grpo_loss(logps, old, A, mask, loss_type="grpo", epsilon=0.1, epsilon_high=0.1,
-                               importance_sampling_level="sequence")
+                               divisor=3, importance_sampling_level="sequence")
     loss.backward()
     # by hand, per sequence: s = exp(mean of the masked shifts); L_i = -min(s A, clip(s, 0.9, 1.1) A) on each of
     # its tokens, so grpo's mean over the tokens of o_i is L_i itself and the loss is mean_i L_i
@@ -162,7 +162,8 @@ def test_sequence_ratio_loss_gradient_and_clip_ratio_by_hand():
     torch.testing.assert_close(logps.grad, hand_grad)
     assert stats["clip_ratio"].item() == pytest.approx(clipped_tokens / 9) and clipped_tokens == 3 + 4
     # the token ratio is another objective on the same batch (row 0's tokens clip one by one)
-    token_loss, _ = tg.grpo_loss(logps.detach(), old, A, mask, loss_type="grpo", epsilon=0.1, epsilon_high=0.1)
+    token_loss, _ = tg.grpo_loss(logps.detach(), old, A, mask, loss_type="grpo", epsilon=0.1, epsilon_high=0.1,
+                                 divisor=3)
     assert token_loss.item() != pytest.approx(loss.item())
 
 
