@@ -460,12 +460,12 @@ def rows_to_train(args, trainer, advantages, mask, alpha):
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
                      top_k=0, top_p=1.0, chunk_size=0, entropy_grad=False, with_entropy=True):
     """Log-probs (and entropy) of each row's last T tokens: the model's forward, then its decoder's
-    last hidden states through lm_logits chunk_size tokens at a time (0: auto_chunk_tokens(V)), so
-    [rows, T, V] logits never exist.
-    temperature, top_k, top_p: the distribution scored (0 and 1: the full one). Call it with the DDP
-    wrapper: its forward makes DDP all-reduce the gradients. No pass asks for every layer's hidden
-    states (without grad only the last is kept). Returns logps [rows, T], entropy [rows, T] (a graph
-    only if entropy_grad), and the router's aux loss (MoE, with grad) or None."""
+    last hidden states through lm_logits, chunk_size tokens at a time (0: auto_chunk_tokens(V)), so
+    [rows, T, V] logits never exist. temperature, top_k, top_p: the distribution scored (0 and 1:
+    the full one). Call it with the DDP wrapper: its forward makes DDP all-reduce the gradients. No
+    pass asks for every layer's hidden states (without grad only the last is kept). Returns logps
+    [rows, T], entropy [rows, T] (a graph only if entropy_grad), and the router's aux loss (MoE,
+    with grad) or None."""
     T = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)   # as generate() computes them
     grad = torch.is_grad_enabled()
@@ -1632,22 +1632,20 @@ def barrier():
         dist.barrier()
 
 
-def _all_reduce(values, device, op):
-    # the values as one fp64 tensor, one all-reduce (op: "SUM" or "MAX"); one process: as they are
+def world_sum(*values, device="cpu"):
+    """Each value summed over all ranks in one all-reduce (fp64); alone: as is."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        dist.all_reduce(t)
     return t.tolist()
 
 
-def world_sum(*values, device="cpu"):
-    """Each value summed over all ranks, in one all-reduce."""
-    return _all_reduce(values, device, "SUM")
-
-
 def world_max(*values, device="cpu"):
-    """Each value's largest over all ranks, in one all-reduce."""
-    return _all_reduce(values, device, "MAX")
+    """Each value's largest over all ranks in one all-reduce (fp64); alone: as is."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 # --- Checkpoints (stage 14): HF weights + trainer state, a temp dir renamed when whole ------------

@@ -67,3 +67,26 @@ def test_each_helper_of_the_algorithm_is_defined_below_every_caller():
 
 def test_no_line_is_longer_than_100_characters():
     assert [i for i, line in enumerate(LINES, 1) if len(line) > 100] == []
+
+
+def calls(name):
+    """The module's functions and classes a top-level function names (calls, or hands to checkpoint/partial)."""
+    node = next(n for n in TOP if n.name == name)
+    return {c.id for c in ast.walk(node) if isinstance(c, ast.Name) and c.id in DEFINED and c.id != name}
+
+
+def test_the_step_shows_the_loss_backward_clip_and_optimizer_step_and_hides_three_bookkeeping_calls():
+    step = "\n".join(LINES[DEFINED["grpo_step"] - 1:next(n for n in TOP if n.name == "grpo_step").end_lineno])
+    for visible in ("grpo_loss(", "scale(loss).backward()", "clip_grad_norm(", ".step(trainer.optimizer)",
+                    "loss_divisor(", "completion_logps("):
+        assert visible in step, visible
+    below = {n for n in calls("grpo_step") if DEFINED[n] > BANNER}
+    assert {"StepLog", "zero_gradient_without_rows", "update_is_finite"} <= below
+
+
+def test_the_log_probs_are_at_most_three_calls_below_the_step():
+    """grpo_step -> completion_logps -> _chunk_logps_entropy -> its formulas, which call nothing of the module."""
+    assert "completion_logps" in calls("grpo_step") and "_chunk_logps_entropy" in calls("completion_logps")
+    leaves = calls("_chunk_logps_entropy")
+    assert leaves <= {"top_k_top_p_filter", "selective_log_softmax", "entropy_from_logits"}, leaves
+    assert all(not calls(n) for n in leaves)
