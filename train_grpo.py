@@ -72,33 +72,34 @@ class Args:
     use_moe: int = flag(0, "1: an MoE model (tiny Qwen3-MoE; a given one checked)", choices=(0, 1))
     model_name_or_path: str = flag("", "hub name, local dir or .gguf file; empty: a tiny model")
     dataset: str = flag("", "compare_numbers (built-in, for instruct models), gsm8k, a hub "
-                       "dataset or a .jsonl/.json/.parquet file; empty: the reversal task")
+                        "dataset or a .jsonl/.json/.parquet file; empty: the reversal task")
     question_field: str = flag("question", "question column (GSM8K's system prompt; over 'prompt')")
     answer_field: str = flag("answer", "column of the reference answer (optional with 'prompt')")
     reward_funcs: str = flag("", "file.py:name or built-in names, by commas: f(completion, **row) "
-                            "-> float or None, or TRL's batched form; empty: the task's own")
+                             "-> float or None, or TRL's batched form; empty: the task's own")
     reward_weights: str = flag("", "comma-separated; empty: task's own (1 each for --reward_funcs)")
     trust_remote_code: int = flag(0, "1: let from_pretrained run the model's code", choices=(0, 1))
     # rollout
     num_generations: int = flag(8, "G: completions sampled per prompt (a group)")
     batch_size: int = flag(16, "B: prompts per rank per step (so B*G rows)")
-    micro_batch_size: int = flag(0, "rows per forward/backward; 0: auto (fits --micro_batch_tokens)")
+    micro_batch_size: int = flag(0, "rows per forward/backward; 0: auto, --micro_batch_tokens")
     micro_batch_tokens: int = flag(16384, "auto micro-batches: at most rows x length tokens")
     max_prompt_len: int = flag(256, "prompt tokens kept (longer prompts are left-truncated)")
     max_gen_len: int = flag(8, "L_max: new tokens per completion")
     temperature: float = flag(1.0, "sampling temperature (log-probs use the same one)")
     top_p: float = flag(1.0, "nucleus sampling threshold")
     top_k: int = flag(0, "top-k sampling; 0: off")
-    mask_truncated_completions: int = flag(0, "1: mask completions that lack an EOS", choices=(0, 1))
+    mask_truncated_completions: int = flag(0, "1: mask completions without EOS", choices=(0, 1))
     # objective
     beta: float = flag(0.0, "k3 KL coefficient; > 0 builds a frozen reference model")
     epsilon: float = flag(0.2, "lower clip: ratio >= 1 - epsilon")
     epsilon_high: float = flag(-1.0, "upper clip (cispo: weight cap); -1: epsilon (cispo: 5.0)")
     num_iterations: int = flag(1, "mu: updates per rollout (old log-probs computed once)")
     scale_rewards: str = flag("group", "advantage divisor: group std, batch std or none",
-                             choices=("group", "batch", "none"))
-    importance_sampling_level: str = flag("token", "ratio per token or per sequence (GSPO: exp(mean "
-                                         "logp - old); not cispo)", choices=("token", "sequence"))
+                              choices=("group", "batch", "none"))
+    importance_sampling_level: str = flag("token", "ratio per token or per sequence (GSPO: exp("
+                                          "mean logp - old); not cispo)",
+                                          choices=("token", "sequence"))
     # log-probs and entropy (README: The math, stages 7, 10-11)
     logp_chunk_size: int = flag(0, "tokens per lm_head chunk for log-probs; 0: auto (64 MiB fp32)")
     entropy_coef: float = flag(0.0, "entropy bonus alpha (< 0 lowers entropy); adaptive: its start")
@@ -115,9 +116,9 @@ class Args:
     warmup_steps: int = flag(0, "linear learning-rate warmup steps")
     grad_clip: float = flag(1.0, "max global grad norm; 0: no clipping (the norm is still logged)")
     skip_zero_advantage_rows: int = flag(1, "1: zero-advantage rows skip forward/backward (same "
-                                        "update; off under beta/entropy/MoE/bnpo)", choices=(0, 1))
+                                         "update; off under beta/entropy/MoE/bnpo)", choices=(0, 1))
     gradient_checkpointing: int = flag(-1, "1: recompute layers in backward; -1: on with "
-                                      "--model_name_or_path, else off", choices=(-1, 0, 1))
+                                       "--model_name_or_path, else off", choices=(-1, 0, 1))
     sft_warmup_steps: int = flag(200, "built-in task only: supervised steps before eval and GRPO")
     sft_learning_rate: float = flag(1e-3, "learning rate of the supervised warmup")
     # bookkeeping
@@ -128,11 +129,11 @@ class Args:
     eval_interval: int = flag(50, "held-out greedy eval every N steps, and before/after; 0: off")
     eval_size: int = flag(256, "held-out prompts (a file without a test split: its first rows)")
     dtype: str = flag("float32", "compute dtype under autocast (weights and AdamW state stay "
-                     "float32)", choices=("float32", "bfloat16", "float16"))
-    cast_lm_head_to_fp32: int = flag(0, "1: fp32 lm_head under bf16/fp16 (not FSDP)", choices=(0, 1))
+                      "float32)", choices=("float32", "bfloat16", "float16"))
+    cast_lm_head_to_fp32: int = flag(0, "1: fp32 lm_head under bf16/fp16, not FSDP", choices=(0, 1))
     fsdp: int = flag(0, "1: shard weights, gradients, AdamW state (FSDP2); 0: DDP", choices=(0, 1))
     rollout_cache: str = flag("auto", "generate's KV cache: static (compiled decode), dynamic, or "
-                             "auto (static on CUDA)", choices=("auto", "static", "dynamic"))
+                              "auto (static on CUDA)", choices=("auto", "static", "dynamic"))
     device: str = flag("auto", "auto, cpu, cuda", choices=("auto", "cpu", "cuda"))
     stop_after: int = flag(0, "stop (as if interrupted) after this step; 0: run to max_steps")
     report_to: str = flag("none", "also log each step", choices=("none", "wandb", "tensorboard"))
