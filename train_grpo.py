@@ -674,6 +674,9 @@ def train(args, rank, world, device):
     state, metrics_path, (report, close_report) = start_or_resume(
         args, trainer, scheduler, eval_rows, score, eval_key, rank)
 
+    # a run resumed at max_steps trains nothing: final/ is the checkpoint it resumed from
+    done = find_checkpoint(args.save_dir) if args.resume == "auto" else args.resume
+    source = done if state.step == args.max_steps else None
     # --- the loop: prompts, one GRPO step, evaluate, log, save ---
     model.train()
     bar = tqdm(range(state.step + 1, args.max_steps + 1), initial=state.step, total=args.max_steps,
@@ -696,7 +699,7 @@ def train(args, rank, world, device):
         if stopping:
             break
 
-    finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank)
+    finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank, source)
     if close_report is not None:
         close_report()
     barrier()
@@ -1957,15 +1960,15 @@ def open_report(args, rank, resumed_at=None):
     return send, writer.close
 
 
-def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank):
+def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank, source=None):
     """Rank 0: final/, the last checkpoint's weights as hard links (a copy where links fail: they
-    are serialized once) and copies of its config and tokenizer files, and one summary line."""
+    are serialized once) and copies of its config and tokenizer files, and one summary line.
+    source: the checkpoint of the weights when this run trained nothing, else this run's last."""
     if rank != 0:
         return
     where = find_checkpoint(args.save_dir)
     if state.step == args.max_steps:
-        ckpt = os.path.join(args.save_dir, f"checkpoint-{state.step}")
-        ckpt = ckpt if os.path.isdir(ckpt) else args.resume  # resumed from a finished run elsewhere
+        ckpt = source or os.path.join(args.save_dir, f"checkpoint-{state.step}")
         where = os.path.join(args.save_dir, "final")
         shutil.rmtree(where, ignore_errors=True)
         os.makedirs(where)

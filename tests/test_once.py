@@ -82,9 +82,10 @@ def test_the_final_model_is_serialized_once_final_is_the_last_checkpoints_files(
     assert not os.path.samefile(final / "model.safetensors", ckpt / "model.safetensors")
     weights = AutoModelForCausalLM.from_pretrained(final).state_dict()
     assert all(torch.equal(weights[k], trained[k]) for k in trained)
-    # a run resumed from that finished checkpoint into another folder trains nothing: final/ is its files
-    args = tg.parse_args(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path / "b"), "--resume", str(ckpt)])
-    os.makedirs(tmp_path / "b")
-    tg.finish(args, None, None, tg.TrainState(step=2), tmp_path / "metrics.jsonl", "eval_accuracy", 0.0, 0)
+    # a run resumed from that finished checkpoint into another folder trains nothing: final/ is its files,
+    # not those of a checkpoint-2 another run (seed 1) left in that folder
+    other = tg.main(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path / "b"), "--seed", "1"])["model"]
+    assert not torch.equal(other.state_dict()["lm_head.weight"], trained["lm_head.weight"])
+    tg.main(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path / "b"), "--resume", str(ckpt)])
     weights = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "final").state_dict()
     assert all(torch.equal(weights[k], trained[k]) for k in trained)
