@@ -56,14 +56,11 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
-
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-
 
 # --- Config: every field is a flag `--name value`; --help shows its text and default --------------
 def flag(default, help, **kw):
     return field(default=default, metadata={"help": help, **kw})
-
 
 @dataclass
 class Args:
@@ -143,22 +140,18 @@ class Args:
         if self.epsilon_high == -1.0:
             self.epsilon_high = default_epsilon_high(self.loss_type, self.epsilon)
 
-
 # A task's own sizes replace Args' defaults (a flag typed wins): compare_numbers, for a 2-core CPU
 TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, num_generations=8, max_gen_len=8,
                                          max_prompt_len=128, learning_rate=2e-5, max_steps=40,
                                          eval_interval=10, eval_size=200)}
 
-
 def default_epsilon_high(loss_type, epsilon):
     # -1: the upper offset (ratio <= 1 + eps_h) is epsilon; cispo's cap (min(r, eps_h)) is 5.0
     return 5.0 if loss_type == "cispo" else epsilon
 
-
 # ==================================================================================================
 # THE ALGORITHM: the step (stages 1-14), then the helpers in the order it first calls them.
 # ==================================================================================================
-
 
 # --- The step: every stage a labelled block, in order ---------------------------------------------
 @dataclass
@@ -180,7 +173,6 @@ class TrainState:
         return cls(c=args.entropy_coef,
                    alpha=0.0 if args.use_adaptive_entropy else args.entropy_coef)
 
-
 @dataclass
 class Trainer:
     """The trainer grpo_step runs on, built once by train(): the models, reward functions, and the
@@ -195,7 +187,6 @@ class Trainer:
     weights: list
     world: int = 1
     device: str = "cpu"
-
 
 def grpo_step(args, trainer, rows, state):
     """One step on this rank's B prompts: updates `state` in place, returns the metrics (world)."""
@@ -298,7 +289,6 @@ def grpo_step(args, trainer, rows, state):
         record["loss_scale"] = trainer.scaler.get_scale()
     return record
 
-
 def loss_divisor(loss_type, rows, S, N, world, max_gen_len):
     """Stage 9: the step's divisor D; the loss is sum L m / D over each micro-batch (README table).
     rows: this rank's B*G rows in the step; S: its micro-batches; N: masked tokens, all ranks."""
@@ -311,7 +301,6 @@ def loss_divisor(loss_type, rows, S, N, world, max_gen_len):
     if loss_type in ("dapo", "cispo"):  # D = max(N / world, 1)
         return max(float(N) / world, 1.0)
     raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
-
 
 # --- Stages 1-2. Prompts and rollout: the *unwrapped* policy, eval mode, no graph -----------------
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
@@ -337,7 +326,6 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
     return input_ids.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0), n_cut
 
-
 @torch.no_grad()
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True,
             temperature=1.0, top_p=1.0, top_k=0, static_cache=False):
@@ -354,7 +342,6 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     sampler_logps = (None if sampler is None
                      else torch.where(mask.bool(), sampler.finish(completion_ids), 0.0))
     return completion_ids, mask, no_eos, sampler_logps
-
 
 class SamplerLogps:
     """A logits processor for generate: it applies the sampling distribution itself (temperature,
@@ -375,7 +362,6 @@ class SamplerLogps:
         last = self.previous.gather(-1, completion_ids[:, -1:]).squeeze(-1)
         return torch.stack(self.logps + [last], dim=1)
 
-
 def completion_mask(completion_ids, eos_token_id):
     # m_{i,t} = 1 for t <= first EOS (the EOS itself included: stopping is reinforced), 0 after;
     # eos_token_id: one id or a list (any of them ends the completion)
@@ -386,7 +372,6 @@ def completion_mask(completion_ids, eos_token_id):
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)
     positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
     return (positions <= first_eos.unsqueeze(1)).long(), ~is_eos.any(1)  # mask, no_eos [rows]
-
 
 # --- Stages 3-4. Rewards and advantages -----------------------------------------------------------
 def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None):
@@ -413,13 +398,11 @@ def compute_rewards(reward_fns, weights, completions, rows, completion_ids=None)
                            f"{sample_name(i, completions[i], rows[i])}")
     return rewards
 
-
 def world_std(values, device="cpu"):
     # std (n - 1) of all ranks' values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), sums in fp64
     s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(),
                          device=device)
     return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
-
 
 def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
     # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), std with n - 1 (torch.std, as TRL).
@@ -436,12 +419,10 @@ def compute_advantages(rewards, num_generations, scale_rewards="group", batch_st
         raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
     return centered.reshape(-1)                                                   # [B*G]
 
-
 # --- Stages 5-7, 10. The rows trained; reference, old and current log-probs; entropy --------------
 def scored_distribution(args):
     """The distribution scored (the ratio, the KL): the sampler's temperature and truncation."""
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-
 
 def rows_to_train(args, trainer, advantages, mask, alpha):
     """The rows whose forward and backward can change the update: indices [kept]. A row with A = 0,
@@ -456,7 +437,6 @@ def rows_to_train(args, trainer, advantages, mask, alpha):
         return torch.arange(len(advantages), device=advantages.device)
     # a NaN advantage is kept: the step sees it
     return ((advantages != 0) & (mask.sum(1) > 0)).nonzero().squeeze(1)
-
 
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0,
                      top_k=0, top_p=1.0, chunk_size=0, entropy_grad=False, with_entropy=True):
@@ -498,7 +478,6 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
         entropy.append(ent)
     return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T), aux
 
-
 def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, with_entropy=True):
     """One chunk of completion_logps: hidden [c, H] -> logits [c, V], which exist only here.
     lm_head: anything mapping hidden states to logits (lm_logits); sampling: temperature, top_k,
@@ -518,7 +497,6 @@ def _chunk_logps_entropy(lm_head, hidden, targets, sampling, entropy_grad, with_
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return logps, entropy
 
-
 def lm_logits(model, hidden):
     # z = lm_head(h), then what the model's own forward applies after it: Cohere z * logit_scale,
     # Granite z / logits_scaling, Gemma-2/3 cap * tanh(z / cap); check_output_head() refuses others
@@ -531,7 +509,6 @@ def lm_logits(model, hidden):
     if getattr(config, "final_logit_softcapping", None):
         z = torch.tanh(z / config.final_logit_softcapping) * config.final_logit_softcapping
     return z
-
 
 def top_k_top_p_filter(z, top_k=0, top_p=1.0, keep=None):
     """Top-k, then top-p, as generate applies them (its order, its ties): dropped tokens get -inf,
@@ -552,7 +529,6 @@ def top_k_top_p_filter(z, top_k=0, top_p=1.0, keep=None):
         drop.scatter_(-1, keep.reshape(-1, 1), False)
     return z.masked_fill(drop, float("-inf"))
 
-
 def selective_log_softmax(logits, index):
     # log p(index) = z[index] - logsumexp(z) over the last dim, without a [.., V] log-softmax: its
     # temporaries are the size of z, which the caller's chunk bounds (LOGITS_BUDGET_MIB, N tokens)
@@ -560,13 +536,11 @@ def selective_log_softmax(logits, index):
     logps = z.gather(-1, index.reshape(-1, 1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return logps.view(index.shape)
 
-
 def entropy_from_logits(logits):
     # H = logsumexp(z) - sum_v softmax(z)_v * z_v, per row of [.., V]: a few temporaries the size
     # of z, which the caller's chunk bounds
     z = logits.float()
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)   # without V
-
 
 # --- Stages 8-9. The objective and its normalization ---------------------------------------------
 def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high, divisor,
@@ -620,7 +594,6 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
     stats["clip_ratio"] = (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
     return loss, stats
 
-
 # --- Stage 13. The learning-rate schedule --------------------------------------------------------
 def lr_factor(updated, args):
     # the next update's rate is lr * f, `updated`: steps so far that applied an update (the
@@ -634,13 +607,11 @@ def lr_factor(updated, args):
     progress = (updated - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
-
 # --- Stage 11. The next step's entropy coefficient: one world number on every rank ----------------
 def world_mean(local_sum, local_count, device="cpu"):
     # H_w = all_reduce(sum H*m) / all_reduce(sum m): a sum and a count, never a mean of rank means
     total, count = world_sum(local_sum, local_count, device=device)
     return total / count if count else float("nan")  # nan: nothing was measured
-
 
 def update_entropy_coef(c, world_entropy, *, target, delta, coef_min, coef_max):
     # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min)
@@ -650,12 +621,10 @@ def update_entropy_coef(c, world_entropy, *, target, delta, coef_min, coef_max):
         return c, c
     return max(c - delta, coef_min), 0.0
 
-
 # ==================================================================================================
 # PLUMBING: what runs the step (flags, data, models, processes, checkpoints, reporting); no formula
 # of the step below.
 # ==================================================================================================
-
 
 # --- The loop: set up, then one grpo_step per step ------------------------------------------------
 def train(args, rank, world, device):
@@ -706,7 +675,6 @@ def train(args, rank, world, device):
     return {"model": policy, "step": state.step, "c": state.c, "alpha": state.alpha,
             "world_entropy": state.world_entropy}
 
-
 def frozen_copy(policy, dtype):
     """The reference: a frozen, unsharded copy of the policy as it is now, computing exactly what
     the policy computes at equal weights. Under autocast the policy's Linear layers read a --dtype
@@ -732,7 +700,6 @@ def frozen_copy(policy, dtype):
     for p in ref.parameters():
         p.data = p.data.to(dtype)
     return ref.eval().requires_grad_(False)
-
 
 # --- The step's bookkeeping: its timing and sums (for the log), gradients without rows -----------
 class StepLog:
@@ -774,7 +741,6 @@ class StepLog:
                     generate_share=self.generate_time / dt, tokens_per_s=num_items / dt,
                     peak_mem_gib=peak_memory_gib(self.device))
 
-
 def zero_gradient_without_rows(trainer, stand_in_logps=None):
     """A gradient of exactly 0 where there is no row to train: a rank out of rows backpropagates
     0 x its stand-in row's log-probs (DDP's all-reduce, FSDP's reduce-scatter still run); in a step
@@ -786,15 +752,12 @@ def zero_gradient_without_rows(trainer, stand_in_logps=None):
     for p in unwrap(trainer.model).parameters():  # fp16: scale() creates the scale unscale_ reads
         p.grad = trainer.scaler.scale(torch.zeros_like(p)) if p.requires_grad else None
 
-
 # --- Flags: checked before any work; a problem is one line `error: ...` ---------------------------
 class TrainerError(Exception):
     """A problem with the user's input: reported as one line `error: ...`, never a traceback."""
 
-
 def one_line(e):
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-
 
 def build_parser():
     """One flag per Args field, in the groups Args' comments name; --help shows each default. A flag
@@ -819,7 +782,6 @@ def build_parser():
     assert not fields, f"Args fields not declared as `name: type = flag(...)`: {sorted(fields)}"
     return parser
 
-
 def parse_args(argv=None):
     parser = build_parser()
     given = vars(parser.parse_args(argv))  # only the flags typed: they win over a task's sizes
@@ -827,7 +789,6 @@ def parse_args(argv=None):
     for problem in check_args(args):
         parser.error(problem)
     return args
-
 
 def check_args(a):
     """Every flag against what it means, before any work: one message per problem, naming it."""
@@ -885,7 +846,6 @@ def check_args(a):
         yield f"--report_to {a.report_to}: the package is not installed (pip install {a.report_to})"
     yield from check_paths(a)
 
-
 def check_paths(a):
     name, path = a.model_name_or_path, os.path.expanduser(a.model_name_or_path)
     flag, data = f"--model_name_or_path {name}", os.path.expanduser(a.dataset)
@@ -909,14 +869,12 @@ def check_paths(a):
     elif a.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(data):
         yield f"--dataset {a.dataset}: no such file"
 
-
 # --- Tasks and datasets ---------------------------------------------------------------------------
 # The built-in task: reverse a string of letters, "cabde=" -> "edbac". Its reward is checked by code
 # (the share of characters in the right place), it has a held-out split of strings never trained on,
 # and a 2-layer model can solve it, so a few minutes on a CPU show whether the algorithm learns.
 REVERSE_ALPHABET = "abcdefgh"
 REVERSE_LEN = 5
-
 
 def make_reverse_task(eval_size, seed=1234):
     rng = random.Random(seed)
@@ -927,11 +885,9 @@ def make_reverse_task(eval_size, seed=1234):
     rng.shuffle(rows)
     return rows[eval_size:], rows[:eval_size]
 
-
 def reverse_reward(completion, answer):
     # characters in the right place / the longer length: 1.0 only for an exact match
     return sum(a == b for a, b in zip(completion, answer)) / max(len(completion), len(answer), 1)
-
 
 # GSM8K: the reference is the number after "####". The model is asked to end with the same form.
 GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer "
@@ -939,7 +895,6 @@ GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write 
 
 # digits in groups of three may be separated by ',', LaTeX's '{,}' or a space ('1{,}000', '1 000')
 _NUMBER = r"-?[$]?\s*-?(?:\d{1,3}(?:(?:\{,\}| )\d{3})+(?!\d)|\d[\d,]*)(?:\.\d+)?"
-
 
 def parse_number(text):
     """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact: no float, no eval."""
@@ -949,11 +904,9 @@ def parse_number(text):
         return None
     return -Fraction(digits) if t.startswith("-") else Fraction(digits)
 
-
 def gsm8k_reference(answer):
     """GSM8K's worked answer ends with '#### N'; a bare number is accepted too."""
     return parse_number(str(answer).split("####")[-1])
-
 
 def gsm8k_correct_reward(completion, answer):
     # 1.0 if the completion's final answer equals the reference number, else 0.0. Its final answer:
@@ -966,17 +919,14 @@ def gsm8k_correct_reward(completion, answer):
             return float(predicted is not None and predicted == gsm8k_reference(answer))
     return 0.0
 
-
 def gsm8k_format_reward(completion, answer):
     # 1.0 if the completion ends with a line '#### <number>', else 0.0
     return float(re.search(r"####\s*" + _NUMBER + r"\s*$", completion.strip()) is not None)
-
 
 # compare_numbers, the built-in task for a real instruct model: the larger of two 2-digit numbers,
 # alone. SmolLM2-135M-Instruct (greedy) answers 1% of held-out questions as asked, the rest in prose
 # or wrongly, yet one of 8 samples is right for ~65% of prompts: signal GRPO turns into the answer.
 COMPARE_NUMBERS = "compare_numbers"
-
 
 def make_compare_task(eval_size, seed=1234):
     """Held out: the first eval_size pairs of a seeded shuffle, in neither order trained on."""
@@ -989,17 +939,14 @@ def make_compare_task(eval_size, seed=1234):
                            "answer": max(a, b)} for a, b in pairs]
     return rows(trained), rows(pairs[:eval_size])
 
-
 def compare_correct_reward(completion, answer):
     # 1.0 if the first number in the completion is the larger one ("43 is larger than 15": 43)
     first = re.search(r"-?\d+", completion)
     return float(first is not None and int(first.group()) == int(answer))
 
-
 def compare_format_reward(completion):
     # 1.0 if the completion is a number alone ("43" or "43."), as the prompt asks, else 0.0
     return float(re.fullmatch(r"\s*-?\d+\.?\s*", completion) is not None)
-
 
 def task_rewards(args):
     """The task's reward functions, its correctness first, and their default weights."""
@@ -1008,7 +955,6 @@ def task_rewards(args):
     if args.dataset == COMPARE_NUMBERS:
         return [compare_correct_reward, compare_format_reward], [1.0, 0.5]
     return [gsm8k_correct_reward, gsm8k_format_reward], [1.0, 0.1]
-
 
 def load_reward_funcs(spec):
     """'file.py:name,gsm8k_format_reward' -> functions. A file is imported as a module (its own
@@ -1039,10 +985,8 @@ def load_reward_funcs(spec):
         fns.append(fn)
     return fns
 
-
 # a row's key for the prompt as the dataset gave it (chat messages stay messages): TRL's `prompts`
 DATASET_PROMPT = "_dataset_prompt"
-
 
 def load_rows(args):
     import datasets
@@ -1080,7 +1024,6 @@ def load_rows(args):
     n_eval = min(args.eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
 
-
 def render_prompt(tokenizer, row, args):
     """A row's prompt text: its question with GSM8K's system prompt (through the chat template if
     any), its 'prompt' as is (text) or through the chat template (messages)."""
@@ -1102,13 +1045,11 @@ def render_prompt(tokenizer, row, args):
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not prefill,
                                          continue_final_message=prefill)
 
-
 def chat_prefill(row):
     """The assistant message a row's chat prompt ends with (TRL's "bootstrap"), else ''."""
     prompt = row.get(DATASET_PROMPT)
     ends = isinstance(prompt, list) and prompt[-1]["role"] == "assistant"
     return prompt[-1]["content"] if ends else ""
-
 
 def given_prompt(tokenizer, row, args):
     """A row as the rewards see it: its columns as the dataset has them, 'prompt' rendered."""
@@ -1117,14 +1058,12 @@ def given_prompt(tokenizer, row, args):
         given[DATASET_PROMPT] = row["prompt"]
     return given
 
-
 def answer_from(fn, field):
     """fn(completion, answer) reading its answer from the row's `field` column."""
     def reward(completion, **row):
         return fn(completion, answer=row[field])
     reward.__name__ = fn.__name__
     return reward
-
 
 def load_task(args, tokenizer, world):
     """Train and eval rows, reward functions, weights, (name, score(texts, rows, ids) -> a list)."""
@@ -1154,7 +1093,6 @@ def load_task(args, tokenizer, world):
     key = "eval_reward" if args.reward_funcs else "eval_accuracy"
     return train_rows, eval_rows, reward_fns, weights, (key, score)
 
-
 # --- Models: the built-in tiny one, pretrained ones, the warm start -------------------------------
 def build_char_tokenizer(chars):
     """A character-level tokenizer made in-process: a token per character, <pad> <eos> <unk>."""
@@ -1166,7 +1104,6 @@ def build_char_tokenizer(chars):
     tok.decoder = decoders.Fuse()  # decode joins characters without spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    unk_token="<unk>", padding_side="left")
-
 
 def build_tiny_model(vocab_size, use_moe, tokenizer):
     """A 75k-parameter Qwen3 (dense) or Qwen3-MoE causal LM from a config: no download."""
@@ -1181,10 +1118,8 @@ def build_tiny_model(vocab_size, use_moe, tokenizer):
             decoder_sparse_step=1, router_aux_loss_coef=0.01, **common))
     return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common))
 
-
 def is_moe(model):
     return hasattr(unwrap(model).config, "router_aux_loss_coef")
-
 
 def load_model_and_tokenizer(args, device):
     if not args.model_name_or_path:
@@ -1218,7 +1153,6 @@ def load_model_and_tokenizer(args, device):
         model.activation_checkpointing_enable({"use_reentrant": False})  # checkpoint()'s kwargs
     return model, tokenizer
 
-
 def plain_model(model):
     """Read from GGUF, a model holds dequantized fp32 weights but keeps the quantizer's mark, which
     save_pretrained refuses: rebuilt without it, it saves (and checkpoints) as plain safetensors."""
@@ -1228,7 +1162,6 @@ def plain_model(model):
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
     return plain
-
 
 @torch.no_grad()
 def check_output_head(model):
@@ -1246,7 +1179,6 @@ def check_output_head(model):
                            f"train_grpo.lm_logits does not (max difference {gap:.3g}); add it "
                            "there")
 
-
 def forward_last_hidden(model, **inputs):
     """model(**inputs) (through its wrapper) and its decoder's last hidden state, caught by a hook:
     output_hidden_states would keep every layer's at once. logits_to_keep=1: the model's own lm_head
@@ -1260,7 +1192,6 @@ def forward_last_hidden(model, **inputs):
         hook.remove()
     return caught[0], out
 
-
 class Fp32Linear(torch.nn.Linear):
     """--cast_lm_head_to_fp32: the model's own lm_head, z = float(h) @ float(W)^T under any autocast
     (bf16 autocast rounds h and W to 8 bits of mantissa first: the largest source of sampler/trainer
@@ -1270,7 +1201,6 @@ class Fp32Linear(torch.nn.Linear):
             bias = None if self.bias is None else self.bias.float()
             return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
 
-
 def cast_lm_head_to_fp32(model):
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:  # a subclass's own forward would be lost
@@ -1279,16 +1209,13 @@ def cast_lm_head_to_fp32(model):
     head.__class__ = Fp32Linear  # the same module and parameters, an fp32 forward
     return model
 
-
 # The largest tensor of a step is one chunk's logits, [tokens, V]: bounded in bytes, not tokens
 # (1,024 tokens x 151,936 would be 622 MB in fp32, 2.5x that with its gradient)
 LOGITS_BUDGET_MIB = 64
 
-
 def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
     # tokens = budget / (V x 4 bytes of fp32 logits), at least 1
     return max(1, budget_mib * 2**20 // (vocab_size * 4))
-
 
 def disable_dropout(model):
     """Dropout would make log-probs noisy (ratio != 1, KL != 0 at equal weights): every dropout
@@ -1299,7 +1226,6 @@ def disable_dropout(model):
         for name, value in list(vars(module).items()):
             if "dropout" in name and isinstance(value, float):
                 setattr(module, name, 0.0)
-
 
 def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
     """Built-in task: supervised steps so the tiny model earns some reward, batch_size rows a step
@@ -1341,7 +1267,6 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
         print(f"supervised warm-up: {state.skipped_steps} of {args.sft_warmup_steps} steps skipped "
               "(loss or grad norm not finite; under fp16 the loss scale was still falling)")
 
-
 # --- Reward functions: the two ways one is called (per sample; TRL's batched form) ----------------
 def reward_values(fn, completions, completion_ids, rows):
     """fn's value (or None) per sample: f(completion, **row) each, or TRL's batched form."""
@@ -1366,10 +1291,8 @@ def reward_values(fn, completions, completion_ids, rows):
                            f"{len(rows)} values (one per completion, TRL's batched form)")
     return values
 
-
 def sample_name(i, completion, row):
     return f"on sample {i} (prompt {row['prompt'][-60:]!r}, completion {completion[:60]!r})"
-
 
 def call_reward(fn, /, *args, **kwargs):
     # only the keywords fn names (all if it takes **kwargs); positional-only: a column may be "fn"
@@ -1377,7 +1300,6 @@ def call_reward(fn, /, *args, **kwargs):
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     return fn(*args, **kwargs)
-
 
 def call_batched_reward(fn, completions, completion_ids, rows):
     """TRL's call: f(prompts, completions, completion_ids, **other columns), each a list; a chat
@@ -1390,7 +1312,6 @@ def call_batched_reward(fn, completions, completion_ids, rows):
                if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
     return call_reward(fn, **columns, prompts=prompts, completions=completions,
                        completion_ids=completion_ids)
-
 
 # --- The loop's tools: data order, optimizer, schedule, loss scale, micro-batches, decoding -------
 def set_up(args, rank, world, device):
@@ -1421,7 +1342,6 @@ def set_up(args, rank, world, device):
         sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
     return policy, model, tokenizer, task, prompt_order
 
-
 def next_prompts(prompt_order, train_rows, state, batch_size):
     """Stage 1: this rank's B prompts, in the DistributedSampler's order (a new one each epoch)."""
     if state.sampler_pos + batch_size > len(prompt_order):  # len: this rank's share of an epoch
@@ -1431,7 +1351,6 @@ def next_prompts(prompt_order, train_rows, state, batch_size):
     state.sampler_pos += batch_size
     return [train_rows[i] for i in order]
 
-
 def build_optimizer(policy, args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
@@ -1439,11 +1358,9 @@ def build_optimizer(policy, args):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda updated: lr_factor(updated, args))
 
-
 def loss_scaler(dtype, device):
     # fp16: dynamic loss scaling (bf16 has fp32's exponent range and needs none); inert otherwise
     return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
-
 
 def auto_micro_batch(rows, width, args):
     """Tiny model: all rows; else the largest divisor of rows within --micro_batch_tokens."""
@@ -1451,7 +1368,6 @@ def auto_micro_batch(rows, width, args):
         return rows
     fits = [d for d in range(1, rows + 1) if rows % d == 0 and d * width <= args.micro_batch_tokens]
     return max(fits or [1])
-
 
 def plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eos, sampler,
                    static_cache):
@@ -1482,24 +1398,20 @@ def plain_generate(policy, input_ids, attention_mask, tokenizer, max_gen_len, eo
         policy.train(was_training)
     return out[:, input_ids.shape[1]:]
 
-
 def eos_token_ids(model, tokenizer):
     """The ids that end a completion: the tokenizer's EOS, the generation config's (Llama-3: 3)."""
     declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     declared = declared if isinstance(declared, (list, tuple)) else [declared]
     return sorted({i for i in [tokenizer.eos_token_id, *declared] if i is not None})
 
-
 def completion_token_ids(completion_ids, mask):
     # each completion's tokens up to and including its EOS, as lists (what TRL passes rewards)
     return [ids[m.bool()].tolist() for ids, m in zip(completion_ids, mask)]
-
 
 def decode_completions(tokenizer, ids, rows):
     # after its chat prompt's prefill if any: as TRL, rewards and eval see the whole message
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     return [chat_prefill(row) + text for row, text in zip(rows, texts)]
-
 
 # --- Processes and precision: torchrun, DDP, FSDP2, autocast --------------------------------------
 def setup_distributed(args):
@@ -1514,16 +1426,13 @@ def setup_distributed(args):
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
 
-
 def unwrap(model):
     # DDP wraps the policy; FSDP2's fully_shard changes it in place (nothing to unwrap)
     return model.module if isinstance(model, DDP) else model
 
-
 def is_fsdp(model):
     from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
-
 
 class gathered:
     """Under FSDP2: every layer's full parameters for the whole rollout (one all-gather per layer,
@@ -1541,22 +1450,18 @@ class gathered:
             m.reshard()
             m.set_reshard_after_forward(m is not self.modules[0], recurse=False)  # root: never
 
-
 def autocast(args, device):
     # fp32 weights, --dtype matmuls: a 1e-6 step on a bf16 weight of 0.02 would round away
     dtype = getattr(torch, args.dtype)
     return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
 
-
 # GradScaler halves an fp16 loss scale on each overflow, here never below this one: an overflow at
 # scale 1 is the gradient's own, not the scale's
 MIN_LOSS_SCALE = 1.0
 
-
 def use_static_cache(args, device):
     on_cuda = torch.device(device).type == "cuda"
     return args.rollout_cache == "static" or (args.rollout_cache == "auto" and on_cuda)
-
 
 def wrap_ddp(model, device):
     """The graph forward goes through it (its hooks all-reduce gradients), generate() not. One
@@ -1565,7 +1470,6 @@ def wrap_ddp(model, device):
                              for name, m in model.named_modules())
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                find_unused_parameters=per_expert_modules)
-
 
 def shard_fsdp(model, args, world):
     """FSDP2 units: each decoder layer, then the root; 1/world of each on a rank. Forward gathers
@@ -1581,13 +1485,11 @@ def shard_fsdp(model, args, world):
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
-
 def clip_grad_norm(model, max_norm):
     """The global grad norm (FSDP's DTensor made the world's), clipped to max_norm (0: no clip)."""
     max_norm = max_norm if max_norm > 0 else math.inf
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
 
 def sync_gradients(model, on):
     """Gradient accumulation: DDP all-reduces, FSDP reduce-scatters, only in a backward with on."""
@@ -1595,7 +1497,6 @@ def sync_gradients(model, on):
         model.require_backward_grad_sync = on
     elif is_fsdp(model):  # FSDP accumulates unsharded gradients until then
         model.set_requires_gradient_sync(on)
-
 
 def update_is_finite(scaler, state, loss, grad_norm, device, in_a_row):
     """Stage 13, one world decision: True when no rank's loss or grad norm is inf/NaN. A skipped
@@ -1614,7 +1515,6 @@ def update_is_finite(scaler, state, loss, grad_norm, device, in_a_row):
         scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 0})
     return False
 
-
 def full_state_dict(model, every_rank=False):
     """The whole model's tensors; FSDP: a collective, to rank 0's CPU or every rank's device."""
     if not is_fsdp(model):
@@ -1623,18 +1523,15 @@ def full_state_dict(model, every_rank=False):
     options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
     return get_model_state_dict(model, options=options)
 
-
 def stop_if_failing(args, state, step):
     if state.bad_in_a_row >= 3:
         raise TrainerError(f"step {step}: loss not finite, or gradients overflowing at the "
                            f"smallest loss scale, for 3 steps in a row; stopping (last good "
                            f"checkpoint: {find_checkpoint(args.save_dir) or 'none'})")
 
-
 def barrier():
     if dist.is_initialized():
         dist.barrier()
-
 
 def world_sum(*values, device="cpu"):
     """Each value summed over all ranks in one all-reduce (fp64); alone: as is."""
@@ -1643,14 +1540,12 @@ def world_sum(*values, device="cpu"):
         dist.all_reduce(t)
     return t.tolist()
 
-
 def world_max(*values, device="cpu"):
     """Each value's largest over all ranks in one all-reduce (fp64); alone: as is."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
-
 
 # --- Checkpoints (stage 14): HF weights + trainer state, a temp dir renamed when whole ------------
 def rng_state():
@@ -1661,14 +1556,12 @@ def rng_state():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
-
 def set_rng_state(state):
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])  # its keys as a list: numpy makes them uint32 again
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
 
 def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank, optimizer_shard=None):
     """save_dir/checkpoint-<step>/: the whole model (from_pretrained loads it), trainer_state.pt,
@@ -1693,7 +1586,6 @@ def save_checkpoint(save_dir, step, model, tokenizer, trainer_state, rank, optim
     barrier()
     return final
 
-
 def save_pretrained(model, tokenizer, weights, where):
     """A plain transformers folder (safetensors), without its "Writing model shards" bar."""
     from transformers.utils import logging as hf_logging
@@ -1706,12 +1598,10 @@ def save_pretrained(model, tokenizer, weights, where):
         if bars:
             hf_logging.enable_progress_bar()
 
-
 def find_checkpoint(save_dir):
     done = [p for p in glob.glob(os.path.join(save_dir, "checkpoint-*"))
             if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))]
     return max(done, key=lambda p: int(p.rsplit("-", 1)[1]), default=None)
-
 
 def load_weights(model, ckpt, trust_remote_code=False):
     """Checkpoint weights into model (of the same shapes), read by from_pretrained: its loader fuses
@@ -1737,7 +1627,6 @@ def load_weights(model, ckpt, trust_remote_code=False):
     else:
         model.load_state_dict(saved)
 
-
 def save(args, trainer, scheduler, state, rank):
     # DDP: rank 0 saves AdamW; FSDP: each rank its shard, as local tensors (weights_only loads)
     optimizer, shard = trainer.optimizer.state_dict(), None
@@ -1749,7 +1638,6 @@ def save(args, trainer, scheduler, state, rank):
                      "optimizer": None if shard is not None else optimizer}
     save_checkpoint(args.save_dir, state.step, trainer.model, trainer.tokenizer, trainer_state,
                     rank, optimizer_shard=shard)
-
 
 def start_or_resume(args, trainer, scheduler, eval_rows, score, eval_key, rank):
     """A fresh start (empty log, per-rank sampling seeds, the eval before any update) or a resume
@@ -1775,7 +1663,6 @@ def start_or_resume(args, trainer, scheduler, eval_rows, score, eval_key, rank):
         if rank == 0:
             print(f"{eval_key} before GRPO: {acc:.3f}")
     return state, metrics_path, report
-
 
 def resume(args, ckpt, trainer, scheduler, rank, metrics_path):
     """Restore all a checkpoint holds (this rank's RNG too); trim the log to the checkpoint."""
@@ -1820,7 +1707,6 @@ def resume(args, ckpt, trainer, scheduler, rank, metrics_path):
         print(f"resumed from {ckpt} at step {state.step}")
     return state
 
-
 # --- Evaluation and reporting ---------------------------------------------------------------------
 def step_metrics(trainer, state, rewards, advantages, mask, no_eos, totals, sampled, prompts_cut,
                  G, num_items):
@@ -1861,7 +1747,6 @@ def step_metrics(trainer, state, rewards, advantages, mask, no_eos, totals, samp
         record["aux_loss"] = aux / world
     return record
 
-
 def sampler_mismatch(gap, mask, device="cpu"):
     """The five mismatch metrics over the masked tokens of all ranks, from gap [rows, T] = the
     trainer's old log-prob - the sampler's: |gap| (mean, max), rho = exp(gap) (min, mean, max)."""
@@ -1874,7 +1759,6 @@ def sampler_mismatch(gap, mask, device="cpu"):
     return {"sampler_logp_diff_mean": diff_sum / max(n, 1.0), "sampler_logp_diff_max": diff_max,
             "is_ratio_min": -neg_ratio_min, "is_ratio_mean": ratio_sum / max(n, 1.0),
             "is_ratio_max": ratio_max}
-
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=256):
@@ -1895,11 +1779,9 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
     c, n = world_sum(correct, len(mine), device=device)
     return c / max(n, 1)
 
-
 def reset_peak_memory(device):
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
 
 def peak_memory_gib(device):
     """CUDA: the most allocated since this step began. CPU: the process's peak resident memory."""
@@ -1907,7 +1789,6 @@ def peak_memory_gib(device):
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20                # KiB on Linux
-
 
 def show_progress(bar, record, args, state, cut_before, eval_key, world):
     """The progress bar's line (rank 0); a warning the first time a step cuts a prompt."""
@@ -1921,7 +1802,6 @@ def show_progress(bar, record, args, state, cut_before, eval_key, world):
                     is_max=f"{record.get('is_ratio_max', math.nan):.3f}",
                     rows=f"{record['rows_trained']}/{rows_per_step}")
 
-
 def log_metrics(metrics_path, record, rank, report=None):
     """Rank 0 appends the record to metrics.jsonl and hands it to --report_to's logger, if any."""
     if rank == 0:
@@ -1929,7 +1809,6 @@ def log_metrics(metrics_path, record, rank, report=None):
             f.write(json.dumps(record) + "\n")
         if report is not None:
             report(record)
-
 
 def open_report(args, rank, resumed_at=None):
     """--report_to's (send(record), close()) on rank 0, else (None, None). A resume continues the
@@ -1959,7 +1838,6 @@ def open_report(args, rank, resumed_at=None):
         writer.flush()
     return send, writer.close
 
-
 def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank, source=None):
     """Rank 0: final/, the last checkpoint's weights as hard links (a copy where links fail: they
     are serialized once) and copies of its config and tokenizer files, and one summary line.
@@ -1987,7 +1865,6 @@ def finish(args, policy, tokenizer, state, metrics_path, eval_key, started, rank
     print(f"done: step {state.step} of {args.max_steps} in {time.time() - started:.0f} s; "
           f"{held_out}; model: {where}")
 
-
 # --- main -----------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
@@ -1998,7 +1875,6 @@ def main(argv=None):
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
 def cli(argv=None):
     """A problem with the user's input: one line `error: ...`, exit status 1 (a bad flag: 2)."""
     try:
@@ -2007,7 +1883,6 @@ def cli(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
-
 
 if __name__ == "__main__":
     code = cli()
