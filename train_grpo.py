@@ -27,8 +27,8 @@ that leaves the update as it is (README: Work without a gradient).
         --dataset compare_numbers                               # or the .gguf file (README)
 
 Read it top to bottom beside notebook.ipynb: Args, the step, then the helpers in the order it first
-calls them; below a PLUMBING banner, what runs the step (the loop, flags, data, models, processes,
-checkpoints, reporting) and no formula of the step. Every formula has a test in tests/.
+calls them (lr_factor: what the scheduler applies); below a PLUMBING banner, what runs the step (the
+loop, flags, data, models, processes, checkpoints, reporting). Every formula has a test in tests/.
 """
 
 import argparse
@@ -99,8 +99,9 @@ class Args:
                                           choices=("token", "sequence"))
     # log-probs and entropy (README: The math, stages 7, 10-11)
     logp_chunk_size: int = flag(0, "tokens per lm_head chunk for log-probs; 0: auto (64 MiB fp32)")
-    entropy_coef: float = flag(0.0, "entropy bonus alpha (< 0 lowers entropy); adaptive: its start")
-    use_adaptive_entropy: int = flag(0, "1: adapt alpha toward --entropy_target", choices=(0, 1))
+    entropy_coef: float = flag(0.0, "entropy bonus alpha (< 0 lowers entropy); adaptive: c's start")
+    use_adaptive_entropy: int = flag(0, "1: adapt c toward --entropy_target (alpha = c or 0)",
+                                     choices=(0, 1))
     entropy_target: float = flag(0.2, "adaptive: target world entropy (nats per token)")
     entropy_coef_delta: float = flag(1e-4, "adaptive: coefficient change per GRPO step")
     entropy_coef_min: float = flag(0.0, "adaptive: lower bound of the coefficient")
@@ -178,7 +179,7 @@ class Trainer:
     """The trainer grpo_step runs on, built once by train(): the models, reward functions, and the
     optimizer with its schedule and loss scaler (whose states change as it trains)."""
     model: torch.nn.Module       # the policy as the loss sees it: the DDP wrapper, or the policy
-    ref_model: object            # frozen reference (beta > 0), else None
+    ref_model: object            # beta > 0: a frozen copy of the policy as GRPO starts, else None
     optimizer: object
     scheduler: object            # the learning-rate schedule (lr_factor)
     scaler: object               # torch.amp.GradScaler: loss scaling under fp16, else inert
@@ -188,14 +189,14 @@ class Trainer:
     world: int = 1
     device: str = "cpu"
 
-def grpo_step(args, trainer, rows, state):
+def grpo_step(args, trainer, prompt_rows, state):
     """One step on this rank's B prompts: updates `state` in place, returns the metrics (world)."""
     G, policy, device = args.num_generations, unwrap(trainer.model), trainer.device
     lr, log = trainer.scheduler.get_last_lr()[0], StepLog(device)  # log: 14's timing and sums
     # 1. prompts, each repeated G times (a group, contiguous); left-padded, left-truncated (n_cut)
     prompt_ids, prompt_mask, n_cut = tokenize_prompts(
-        trainer.tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device, G)  # [rows, P]
-    rows = [r for r in rows for _ in range(G)]
+        trainer.tokenizer, [r["prompt"] for r in prompt_rows], args.max_prompt_len, device, G)
+    rows = [r for r in prompt_rows for _ in range(G)]                  # B*G rows; ids [rows, P]
     # 2. rollout, no graph: m = 1 up to the first EOS (included); the sampler's log-prob per token
     with autocast(args, device), log:  # `with log`: the rollout's time
         completion_ids, mask, no_eos, sampler_logps = rollout(                # [rows, T]
@@ -219,16 +220,16 @@ def grpo_step(args, trainer, rows, state):
     widest, most_kept = world_max(input_ids.shape[1], len(kept), device=device)  # all ranks'
     # 5-6. reference (beta > 0) and old (mu > 1) log-probs of the kept rows, no graph (FSDP: its
     # forward gathers, a collective: a rank with no row scores a stand-in while another scores)
-    scored = kept.new_zeros(1) if is_fsdp(trainer.model) and most_kept and not len(kept) else kept
+    idx = kept.new_zeros(1) if is_fsdp(trainer.model) and most_kept and not len(kept) else kept
     with torch.no_grad(), autocast(args, device):  # [kept, T], or None
-        ref_logps, old_logps = (None if m is None or not len(scored) else completion_logps(
-            m, input_ids[scored], attention_mask[scored], T, with_entropy=False, **score)[0]
+        ref_logps, old_logps = (None if m is None or not len(idx) else completion_logps(
+            m, input_ids[idx], attention_mask[idx], T, with_entropy=False, **score)[0]
             for m in (trainer.ref_model, trainer.model if args.num_iterations > 1 else None))
     N = world_sum(mask.sum().item(), device=device)[0]   # masked tokens, all ranks
     # S micro-batches of kept rows on every rank: as the rank keeping most needs (0: none keeps one)
     micro = args.micro_batch_size or auto_micro_batch(len(rows), widest, args)
     S = math.ceil(most_kept / micro)
-    D = loss_divisor(args.loss_type, len(rows), S, N, trainer.world, args.max_gen_len)
+    D = loss_divisor(args.loss_type, len(rows), S, N, trainer.world, args.max_gen_len)  # stage 9
     applied, in_a_row, state.bad_in_a_row = False, state.bad_in_a_row, 0  # any bad update: failing
     for it in range(args.num_iterations):  # mu updates per rollout
         totals = log.new_update(len(kept))  # this update's sums over its micro-batches
@@ -288,19 +289,6 @@ def grpo_step(args, trainer, rows, state):
     if trainer.scaler.is_enabled():
         record["loss_scale"] = trainer.scaler.get_scale()
     return record
-
-def loss_divisor(loss_type, rows, S, N, world, max_gen_len):
-    """Stage 9: the step's divisor D; the loss is sum L m / D over each micro-batch (README table).
-    rows: this rank's B*G rows in the step; S: its micro-batches; N: masked tokens, all ranks."""
-    if loss_type == "grpo":     # D = rows          (each row first averaged over its tokens)
-        return rows
-    if loss_type == "bnpo":     # D = S             (each micro-batch averaged over its tokens)
-        return S
-    if loss_type == "dr_grpo":  # D = rows * L_max
-        return rows * max_gen_len
-    if loss_type in ("dapo", "cispo"):  # D = max(N / world, 1)
-        return max(float(N) / world, 1.0)
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
 
 # --- Stages 1-2. Prompts and rollout: the *unwrapped* policy, eval mode, no graph -----------------
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
@@ -543,6 +531,20 @@ def entropy_from_logits(logits):
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)   # without V
 
 # --- Stages 8-9. The objective and its normalization ---------------------------------------------
+def loss_divisor(loss_type, rows, S, N, world, max_gen_len):
+    """Stage 9: the step's divisor D of each micro-batch's loss: sum L m / D (grpo: the sum of its
+    row means / D; bnpo: its token mean / D). rows: this rank's B*G rows in the step; S: the step's
+    micro-batches; N: masked tokens, all ranks (README table)."""
+    if loss_type == "grpo":     # D = rows          (each row first averaged over its tokens)
+        return rows
+    if loss_type == "bnpo":     # D = S             (each micro-batch averaged over its tokens)
+        return S
+    if loss_type == "dr_grpo":  # D = rows * L_max
+        return rows * max_gen_len
+    if loss_type in ("dapo", "cispo"):  # D = max(N / world, 1)
+        return max(float(N) / world, 1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
+
 def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high, divisor,
               ref_logps=None, beta=0.0, entropy=None, alpha=0.0,
               importance_sampling_level="token"):
@@ -622,8 +624,8 @@ def update_entropy_coef(c, world_entropy, *, target, delta, coef_min, coef_max):
     return max(c - delta, coef_min), 0.0
 
 # ==================================================================================================
-# PLUMBING: what runs the step (flags, data, models, processes, checkpoints, reporting); no formula
-# of the step below.
+# PLUMBING: what runs the step (the loop, flags, tasks and their rewards, models with dropout off,
+# processes, the clip and loss-scale mechanics, checkpoints, reporting); the step's math is above.
 # ==================================================================================================
 
 # --- The loop: set up, then one grpo_step per step ------------------------------------------------

@@ -225,11 +225,15 @@ def test_a_bare_reward_name_is_one_of_this_files_reward_functions_only():
 def test_a_checkpoint_written_before_next_alpha_was_named_so_resumes(tmp_path):
     import torch
     from helpers import FAST
-    base = FAST + ["--max_steps", "2", "--entropy_coef", "0.01", "--save_dir", str(tmp_path)]
-    tg.main(base + ["--stop_after", "1"])
-    path = os.path.join(tg.find_checkpoint(str(tmp_path)), "trainer_state.pt")
-    saved = torch.load(path, weights_only=True)
-    saved["entropy_coef_applied"] = saved.pop("alpha")                 # the old field names
-    saved["entropy_coef"] = saved.pop("c")
-    torch.save(saved, path)
-    assert tg.main(base + ["--resume", "auto"])["alpha"] == 0.01
+    # adaptive: after step 1, c = 0.01 - 1e-4 and alpha = 0 (entropy above the target), so a swap shows
+    flags = FAST + ["--max_steps", "2", "--entropy_coef", "0.01", "--use_adaptive_entropy", "1"]
+    whole = tg.main(flags + ["--save_dir", str(tmp_path / "whole")])
+    for old_alpha in ("entropy_coef_applied", "next_alpha"):            # both earlier names of alpha
+        base = flags + ["--save_dir", str(tmp_path / old_alpha)]
+        tg.main(base + ["--stop_after", "1"])
+        path = os.path.join(tg.find_checkpoint(str(tmp_path / old_alpha)), "trainer_state.pt")
+        saved = torch.load(path, weights_only=True)
+        saved[old_alpha], saved["entropy_coef"] = saved.pop("alpha"), saved.pop("c")
+        torch.save(saved, path)
+        resumed = tg.main(base + ["--resume", "auto"])
+        assert (resumed["c"], resumed["alpha"]) == (whole["c"], whole["alpha"]) != (0.01, 0.01), old_alpha
