@@ -1282,8 +1282,17 @@ def reward_values(fn, completions, completion_ids, rows):
                 raise TrainerError(f"reward {fn.__name__} raised {sample_name(i, c, row)}: "
                                    f"{type(e).__name__}: {e}") from None
         return values
+    # TRL's call: f(prompts, completions, completion_ids, **other columns), each a list; a chat
+    # prompt stays messages, its prefill moved to its completion [{"role": "assistant", ...}]
     try:
-        values = call_batched_reward(fn, completions, completion_ids, rows)
+        prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
+        if not isinstance(prompts[0], str):  # conversational
+            prompts = [p[:-1] if p[-1]["role"] == "assistant" else p for p in prompts]
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        columns = {k: [r[k] for r in rows] for k in rows[0]
+                   if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
+        values = call_reward(fn, **columns, prompts=prompts, completions=completions,
+                             completion_ids=completion_ids)
     except Exception as e:
         raise TrainerError(f"reward {fn.__name__} raised on this step's {len(rows)} samples: "
                            f"{type(e).__name__}: {e}") from None
@@ -1302,18 +1311,6 @@ def call_reward(fn, /, *args, **kwargs):
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     return fn(*args, **kwargs)
-
-def call_batched_reward(fn, completions, completion_ids, rows):
-    """TRL's call: f(prompts, completions, completion_ids, **other columns), each a list; a chat
-    prompt stays messages, its prefill moved to its completion [{"role": "assistant", ...}]."""
-    prompts = [r.get(DATASET_PROMPT, r["prompt"]) for r in rows]
-    if not isinstance(prompts[0], str):  # conversational
-        prompts = [p[:-1] if p[-1]["role"] == "assistant" else p for p in prompts]
-        completions = [[{"role": "assistant", "content": c}] for c in completions]
-    columns = {k: [r[k] for r in rows] for k in rows[0]
-               if k not in ("prompt", "completion", "completion_ids", DATASET_PROMPT)}
-    return call_reward(fn, **columns, prompts=prompts, completions=completions,
-                       completion_ids=completion_ids)
 
 # --- The loop's tools: data order, optimizer, schedule, loss scale, micro-batches, decoding -------
 def set_up(args, rank, world, device):
@@ -1440,7 +1437,8 @@ class gathered:
     """Under FSDP2: every layer's full parameters for the whole rollout (one all-gather per layer,
     instead of one per layer per generated token), sharded again after. Elsewhere: nothing."""
     def __init__(self, model):
-        self.modules = [m for m in model.modules() if is_fsdp(m)]
+        from torch.distributed.fsdp import FSDPModule
+        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
     def __enter__(self):
         for m in self.modules:

@@ -91,3 +91,10 @@ def test_the_log_probs_are_at_most_three_calls_below_the_step():
     leaves = calls("_chunk_logps_entropy")
     assert leaves <= {"top_k_top_p_filter", "selective_log_softmax", "entropy_from_logits"}, leaves
     assert all(not calls(n) for n in leaves)
+
+
+def test_nothing_is_more_than_three_calls_below_the_step():
+    """Every chain of the module's functions from grpo_step ends within 3 calls (step -> a -> b -> c)."""
+    def deepest(name, seen):
+        return max([1 + deepest(n, seen | {n}) for n in calls(name) if n not in seen], default=0)
+    assert deepest("grpo_step", {"grpo_step"}) <= 3
