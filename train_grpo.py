@@ -178,7 +178,7 @@ class TrainState:
 class Trainer:
     """The trainer grpo_step runs on, built once by train(): the models, reward functions, and the
     optimizer with its schedule and loss scaler (whose states change as it trains)."""
-    model: torch.nn.Module       # the policy as the loss sees it: the DDP wrapper, or the policy
+    model: torch.nn.Module       # the policy as the loss sees it (DDP wrapper); dropout off
     ref_model: object            # beta > 0: a frozen copy of the policy as GRPO starts, else None
     optimizer: object
     scheduler: object            # the learning-rate schedule (lr_factor)
