@@ -100,7 +100,7 @@ class Args:
     # log-probs and entropy (README: The math, stages 7, 10-11)
     logp_chunk_size: int = flag(0, "tokens per lm_head chunk for log-probs; 0: auto (64 MiB fp32)")
     entropy_coef: float = flag(0.0, "entropy bonus alpha (< 0 lowers entropy); adaptive: c's start")
-    use_adaptive_entropy: int = flag(0, "1: adapt c toward --entropy_target (alpha = c or 0)",
+    use_adaptive_entropy: int = flag(0, "1: adapt c to hold the entropy at --entropy_target",
                                      choices=(0, 1))
     entropy_target: float = flag(0.2, "adaptive: target world entropy (nats per token)")
     entropy_coef_delta: float = flag(1e-4, "adaptive: coefficient change per GRPO step")
@@ -178,7 +178,7 @@ class TrainState:
 class Trainer:
     """The trainer grpo_step runs on, built once by train(): the models, reward functions, and the
     optimizer with its schedule and loss scaler (whose states change as it trains)."""
-    model: torch.nn.Module       # the policy as the loss sees it (DDP wrapper); dropout off
+    model: torch.nn.Module       # the policy as the loss sees it (DDP wrapper or FSDP); no dropout
     ref_model: object            # beta > 0: a frozen copy of the policy as GRPO starts, else None
     optimizer: object
     scheduler: object            # the learning-rate schedule (lr_factor)
@@ -186,7 +186,7 @@ class Trainer:
     tokenizer: object
     reward_fns: list
     weights: list
-    world: int = 1
+    world: int = 1               # ranks (dapo's divisor: N / world)
     device: str = "cpu"
 
 def grpo_step(args, trainer, prompt_rows, state):
