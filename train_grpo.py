@@ -1880,7 +1880,7 @@ def cli(argv=None):
     try:
         main(argv)
     except TrainerError as e:
-        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.write(f"error: {e}\n")  # one write: ranks' lines never interleave
         return 1
     return 0
 
