@@ -719,9 +719,10 @@ class StepLog:
         self.generate_time = time.time() - self.generate_start
 
     def new_update(self, rows):
+        first = not self.updates  # the sampler mismatch is read from the first update alone
         self.updates.append({"loss": 0.0, "policy_loss": 0.0, "kl_sum": 0.0, "clip": 0.0,
                              "aux": 0.0, "entropy_sum": 0.0, "tokens": 0.0, "rows": rows,
-                             "gap": [], "gap_mask": []})  # gap: old - sampler logp, [trained, T]
+                             "gap": [] if first else None, "gap_mask": []})  # old - sampler logp
         return self.updates[-1]
 
     @staticmethod
@@ -734,8 +735,9 @@ class StepLog:
             totals[k] += float(v)
         if aux is not None:
             totals["aux"] += aux.item() / S
-        totals["gap"].append(torch.where(m.bool(), gap, 0.0))
-        totals["gap_mask"].append(m)
+        if totals["gap"] is not None:  # [trained, T], kept for the first update only
+            totals["gap"].append(torch.where(m.bool(), gap, 0.0))
+            totals["gap_mask"].append(m)
 
     def times(self, num_items):
         dt = time.time() - self.start
