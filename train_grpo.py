@@ -67,7 +67,7 @@ class Args:
     # Rollout.
     num_generations: int = flag(8, "G, completions sampled per prompt (a group)")
     batch_size: int = flag(16, "B, prompts per rank per step, so B*G rows")
-    micro_batch_size: int = flag(0, "rows per forward and backward; 0: all B*G rows at once")
+    micro_batch_size: int = flag(0, "rows per forward and backward (the last may hold fewer); 0: all B*G rows")
     max_prompt_len: int = flag(256, "prompt tokens kept; a longer prompt loses its start")
     max_gen_len: int = flag(8, "L_max, new tokens per completion")
     temperature: float = flag(1.0, "sampling temperature; the log-probs are scored at the same one")
@@ -207,7 +207,7 @@ def grpo_step(args, trainer, prompt_rows, state):
 
     # Every rank runs the same S micro-batches, and the divisor D of stage 9 is the step's.
     micro = args.micro_batch_size or len(rows)
-    S = len(rows) // micro
+    S = math.ceil(len(rows) / micro)
     micro_batches = [slice(j * micro, (j + 1) * micro) for j in range(S)]
     N = world_sum(mask.sum(), device=device)[0]
     D = loss_divisor(args.loss_type, len(rows), S, N, trainer.world, args.max_gen_len)
@@ -1302,11 +1302,8 @@ def check_args(a):
     for name in non_negative:
         if getattr(a, name) < 0:
             yield f"--{name} must be >= 0, got {getattr(a, name)}"
-    rows = a.batch_size * a.num_generations
     if a.num_generations < 2:
         yield "--num_generations must be >= 2 (a group of 1 has no baseline)"
-    if a.micro_batch_size and rows % a.micro_batch_size:
-        yield f"--micro_batch_size {a.micro_batch_size} must divide batch_size * num_generations = {rows}"
     if not 0 <= a.epsilon < 1:
         yield f"--epsilon must be in [0, 1), got {a.epsilon}"
     if a.importance_sampling_level == "sequence" and a.loss_type == "cispo":
