@@ -222,6 +222,7 @@ def grpo_step(args, trainer, prompt_rows, state):
 
     # 7-13. mu updates on this rollout, each over S micro-batches.
     entropy_sum = torch.zeros((), device=device)
+    applied = False
     for iteration in range(args.num_iterations):
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clipped": 0.0, "aux": 0.0}
         for j, part in enumerate(micro_batches):
@@ -264,11 +265,14 @@ def grpo_step(args, trainer, prompt_rows, state):
         grad_norm = clip_grad_norm(policy, args.grad_clip)
         if torch.isfinite(grad_norm):
             trainer.scaler.step(trainer.optimizer)
+            applied = True
         else:
             state.skipped_steps += 1
         trainer.scaler.update()
         trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.scheduler.step()
+    # The schedule moves once per step that updated the weights, so skipped steps do not use up the warmup.
+    if applied:
+        trainer.scheduler.step()
 
     # 11. The next step's entropy coefficient, from one world entropy: a sum and a count over all ranks.
     state.world_entropy = world_mean(entropy_sum, mask.sum(), device=device)

@@ -2,6 +2,7 @@
 
     python tests/bench_memory.py            # CPU: hidden 896 -> Qwen vocab 151,936, batch 4, 1024 completion tokens
     python tests/bench_memory.py --gpu      # CUDA: batch 4, 2048 tokens, torch.cuda.max_memory_allocated
+    python tests/bench_memory.py --small    # CPU, 128 tokens: a dry run of the script itself
 
 (a) entropy in the graph (the OOM bug), (b) entropy detached but full [rows, T, V] logits (the known fix),
 (c) this trainer: chunked lm_head with recomputation in backward, entropy under no_grad.
@@ -20,11 +21,24 @@ import train_grpo as tg  # noqa: E402
 H, V = 896, 151_936
 
 
+class Head(torch.nn.Module):
+    """The lm_head alone, with what tg.lm_logits reads from a model: its config and output embeddings."""
+
+    def __init__(self, lm_head):
+        from transformers import PretrainedConfig
+        super().__init__()
+        self.lm_head = lm_head
+        self.config = PretrainedConfig()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
 def chunked(lm_head, hidden, targets, chunk_size):
     """completion_logps' chunk loop on given hidden states: each chunk's logits recomputed in backward."""
     from torch.utils.checkpoint import checkpoint
-    full = dict(temperature=1.0, top_k=0, top_p=1.0)
-    parts = [checkpoint(tg._chunk_logps_entropy, lm_head, h, y, full, False, use_reentrant=False)
+    head = Head(lm_head)
+    parts = [checkpoint(tg._chunk_logps_entropy, head, h, y, 1.0, False, use_reentrant=False)
              for h, y in zip(hidden.reshape(-1, hidden.shape[-1]).split(chunk_size), targets.reshape(-1).split(chunk_size))]
     return (torch.cat([p[i] for p in parts]).view(targets.shape) for i in (0, 1))
 
@@ -71,7 +85,7 @@ def main():
         torch.set_num_threads(max(1, torch.get_num_threads()))
         return one_variant(v, rows, T, device)
     gpu = "--gpu" in sys.argv and torch.cuda.is_available()
-    rows, T, device = (4, 2048, "cuda") if gpu else (4, 1024, "cpu")
+    rows, T, device = (4, 2048, "cuda") if gpu else (4, 128 if "--small" in sys.argv else 1024, "cpu")
     print(f"lm_head {H} -> {V}, batch {rows}, completion length {T}, device {device}")
     res = {}
     for v in "abc":

@@ -2,17 +2,19 @@
 
     python tests/bench_step.py                      # Qwen2.5-0.5B shape, CPU-sized batch (or the GPU batch on CUDA)
     python tests/bench_step.py --small              # a tiny model: a dry run of the script itself
-    python tests/bench_step.py -- --rollout_cache dynamic --gradient_checkpointing 0   # extra trainer flags
+    python tests/bench_step.py -- --gradient_checkpointing 0 --micro_batch_size 0     # extra trainer flags
     python tests/bench_step.py --prompts 1 --generations 4 --new_tokens 16 -- --max_prompt_len 64 --dtype float32
                                                     # a CPU without native bf16 (there bf16 matmuls are emulated)
 
 It builds a random-weight model with Qwen2.5-0.5B's published shape (896 hidden, 24 layers, 14 heads, 2 KV
 heads, 4864 MLP, tied 151,936-token vocabulary) and a tokenizer of the same vocabulary size in-process (no
 download), saves them with save_pretrained, and trains on tests/data/gsm8k_sample.jsonl through the real
-path (`from_pretrained`, bf16 compute). When `trl` is importable it runs TRL's GRPOTrainer on the same model,
-data and batch for comparison (trl is not a dependency). pytest does not collect this file.
+path (`from_pretrained`, bf16 compute, the real-model defaults for the flags it does not set: micro-batches of
+8 rows, gradient checkpointing on). When `trl` is importable it runs TRL's GRPOTrainer on the same model, data
+and batch for comparison (trl is not a dependency). pytest does not collect this file.
 """
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -67,8 +69,8 @@ def ours(model_dir, save_dir, a, extra):
     later = steps[1:] or steps                                                    # the first step warms up
     mean = lambda k: sum(r[k] for r in later) / len(later)
     return {"who": "train_grpo", "s_per_step": mean("step_time"), "generate_s": mean("generate_time"),
-            "generate_share": mean("generate_share"), "peak_mem_gib": max(r["peak_mem_gib"] for r in steps),
-            "first_step_s": steps[0]["step_time"]}
+            "generate_share": mean("generate_time") / mean("step_time"),
+            "peak_mem_gib": max(r["peak_mem_gib"] for r in steps), "first_step_s": steps[0]["step_time"]}
 
 
 def trl(model_dir, save_dir, a):
@@ -124,11 +126,10 @@ def main():
           f"{a.prompts} prompts x {a.generations} completions, {a.new_tokens} new tokens, "
           f"{extra[extra.index('--dtype') + 1] if '--dtype' in extra else 'bfloat16'} compute, beta 0.04")
     results = [ours(os.path.join(work, "model"), os.path.join(work, "ours"), a, extra)]
-    try:
-        import trl  # noqa: F401
-        results.append(trl(os.path.join(work, "model"), os.path.join(work, "trl"), a))
-    except ImportError:
+    if importlib.util.find_spec("trl") is None:   # `import trl` here would hide the function trl()
         print("trl is not installed: no comparison")
+    else:
+        results.append(trl(os.path.join(work, "model"), os.path.join(work, "trl"), a))
     for r in results:
         print("RESULT " + json.dumps(r))
 

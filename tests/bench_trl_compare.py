@@ -29,19 +29,12 @@ def main():
     torch.manual_seed(args.seed)
     model, tok = tg.load_model_and_tokenizer(args, torch.device("cpu"))
     train_rows, eval_rows = tg.make_compare_task(args.eval_size)
-    held_out = [{**r, "prompt": tg.render_prompt(tok, r, args)} for r in eval_rows]
-    score = lambda texts, rows, ids: [tg.compare_correct_reward(t, r["answer"])  # noqa: E731
-                                      for t, r in zip(texts, rows)]
+
+    def score(prompts, completions, completion_ids, rows):   # the trainer's eval_accuracy: exactly 1.0 counts
+        return [float(v == 1.0) for v in tg.compare_correct_reward(completions, [r["answer"] for r in rows])]
 
     def accuracy():
-        return tg.evaluate(model, tok, held_out, score, args, 0, 1, torch.device("cpu"))
-
-    # TRL hands rewards the completions as chat messages; each wrapper reads the text, as train_grpo does
-    def correct(completions, answer, **kw):
-        return [tg.compare_correct_reward(c[0]["content"], a) for c, a in zip(completions, answer)]
-
-    def bare_number(completions, **kw):
-        return [tg.compare_format_reward(c[0]["content"]) for c in completions]
+        return tg.evaluate(model, tok, eval_rows, score, args, 0, 1, torch.device("cpu"))
 
     before = accuracy()
     config = GRPOConfig(
@@ -51,7 +44,9 @@ def main():
         per_device_train_batch_size=args.batch_size * args.num_generations, num_generations=args.num_generations,
         max_completion_length=args.max_gen_len, temperature=1.0, top_p=1.0, loss_type="grpo", beta=0.0,
         scale_rewards="group", reward_weights=[1.0, 0.5], gradient_checkpointing=True, disable_dropout=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=[correct, bare_number], args=config, processing_class=tok,
+    # The built-in rewards have TRL's batched form, and read a chat completion's text as TRL hands it over
+    rewards = [tg.compare_correct_reward, tg.compare_format_reward]
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=config, processing_class=tok,
                           train_dataset=Dataset.from_list(train_rows))
     t0 = time.time()
     trainer.train()

@@ -2,6 +2,7 @@
 
     python tests/bench_vocab.py                       # this trainer at V = 151,936 (Qwen's) and 2V
     python tests/bench_vocab.py -- --logp_chunk_size 1024     # extra trainer flags (here: the old default)
+    python tests/bench_vocab.py -- --max_gen_len 16 --max_steps 1    # a quick dry run of the script itself
 
 A tiny Qwen2 (hidden 64, 2 layers, tied embeddings) with a V-token vocabulary, built in-process and saved
 (bench_step.build); 2 prompts x 8 completions x 64 new tokens, beta 0.04, 2 steps, fp32, on
@@ -67,8 +68,10 @@ def main():
         path = os.path.join(work, f"v{vocab}")
         bench_step.build(path, small=True, vocab_size=vocab)
         results[vocab] = run("ours", path, extra)
+        chunk = (f"{extra[extra.index('--logp_chunk_size') + 1]} tokens" if "--logp_chunk_size" in extra
+                 else f"{tg.auto_chunk_tokens(vocab)} tokens (auto)")
         print(f"V = {vocab:,}: peak RSS {results[vocab]['peak_rss_mib']:,} MiB, {results[vocab]['s_per_step']} s/step, "
-              f"logits chunk: {' '.join(extra) or f'{tg.auto_chunk_tokens(vocab)} tokens (auto)'}", flush=True)
+              f"logits chunk: {chunk}", flush=True)
     extra_params = V * H                                   # the tied embedding/head rows that doubling V adds
     allowed = extra_params * (4 + 4 + 8 + 4) / 2**20     # weight + grad + AdamW + fp32 reference, MiB
     grew = results[2 * V]["peak_rss_mib"] - results[V]["peak_rss_mib"]

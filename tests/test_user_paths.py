@@ -1,28 +1,21 @@
-"""The paths a user takes with a real checkpoint and their own data: the bf16 reference, FSDP with uneven ranks,
+"""The paths a user takes with a real checkpoint and their own data: the bf16 reference, eval with uneven ranks,
 test-only datasets, rows as the dataset has them, reward weights, bad reward values, every EOS id, loggers
 after a resume, flag combinations that cannot work."""
 import json
 import re
-import subprocess
 
 import pytest
 import torch
 
-from helpers import FAST, run_cli, run_clis, spawn, tg, tiny
-import dist_workers
-from test_real_path import REAL, save_tiny
-
-BF16_KL = [*FAST, "--max_steps", "1", "--beta", "0.04", "--dtype", "bfloat16", "--sft_warmup_steps", "3"]
+from helpers import FAST, tg, tiny
+from test_real_path import BF16_KL, REAL, one_thread, save_tiny, two_rank_runs  # noqa: F401  (one_thread: autouse)
 
 
 # ---- 1. the reference computes what the policy computes ----
-def test_bf16_reference_is_the_starting_policy_at_step_1_single_ddp_and_fsdp(tmp_path):
-    one, ddp = run_clis([*BF16_KL, "--save_dir", tmp_path / "one"], [*BF16_KL, "--save_dir", tmp_path / "ddp"])
-    fsdp = run_cli(*BF16_KL, "--fsdp", "1", "--save_dir", tmp_path / "fsdp", nproc=2)
-    for res in (one, ddp, fsdp):
-        assert res.returncode == 0, res.stderr[-3000:]
-    for run in ("one", "ddp", "fsdp"):
-        row = json.loads(open(tmp_path / run / "metrics.jsonl").readline())
+def test_bf16_reference_is_the_starting_policy_at_step_1_single_and_ddp(tmp_path):
+    tg.main([*BF16_KL, "--save_dir", str(tmp_path / "one")])
+    for run in (tmp_path / "one", two_rank_runs() / "bf16_kl"):      # one process; 2 ranks under DDP
+        row = json.loads(open(run / "metrics.jsonl").readline())
         assert row["kl"] == 0.0, (run, row["kl"])
 
 
@@ -52,45 +45,9 @@ def test_reference_keeps_fp32_where_the_policy_does_and_matches_its_log_probs():
     assert ref.lm_head.weight is ref.model.embed_tokens.weight and ref.lm_head.weight.dtype == torch.float32
 
 
-# ---- 2-3. FSDP: every collective the same number of times on every rank ----
-def test_fsdp_auto_micro_batches_with_prompts_of_different_widths_do_not_hang(tmp_path):
-    model_dir = save_tiny(tmp_path / "model")
-    rows = [{"prompt": "ab"}, {"prompt": "a much longer prompt than the other one, " * 3}]  # one per rank
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = tmp_path / "r.py"
-    reward.write_text("def length(completion, **row):\n    return float(len(completion))\n")
-    args = ["--model_name_or_path", model_dir, "--dataset", data, "--reward_funcs", f"{reward}:length",
-            "--batch_size", "1", "--num_generations", "4", "--max_gen_len", "4", "--micro_batch_tokens", "200",
-            "--max_steps", "2", "--eval_interval", "0", "--fsdp", "1", "--save_dir", tmp_path / "run"]
-    try:
-        res = run_cli(*args, nproc=2, timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail("ranks ran different numbers of micro-steps: FSDP's all-gathers no longer matched")
-    assert res.returncode == 0, res.stderr[-3000:]
-
-
-def test_auto_micro_batch_is_one_decision_for_all_ranks(tmp_path):
-    spawn(dist_workers.micro_batch_world, str(tmp_path))
-    counts = [torch.load(tmp_path / f"micro_{r}.pt") for r in (0, 1)]
-    assert counts[0] == counts[1] == 1  # the wider rank's micro-batch (1 row of 150 tokens), on both
-
-
-@pytest.mark.parametrize("eval_size", [1, 3])  # fewer held-out rows than ranks; counts that straddle a batch
-def test_fsdp_eval_with_uneven_rows_per_rank_does_not_hang(tmp_path, eval_size):
-    try:
-        res = run_cli(*FAST, "--max_steps", "1", "--eval_interval", "1", "--eval_size", str(eval_size),
-                      "--fsdp", "1", "--save_dir", tmp_path, nproc=2, timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail("a rank with no eval batch left never joined the others' all-gathers")
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in rows if "eval_accuracy" in r)
-
-
-def test_eval_scores_each_held_out_row_once_whatever_the_ranks(tmp_path):
-    spawn(dist_workers.eval_uneven, str(tmp_path))
-    seen = [torch.load(tmp_path / f"eval_{r}.pt") for r in (0, 1)]
+# ---- 2. eval: every held-out row once, whatever the ranks ----
+def test_eval_scores_each_held_out_row_once_whatever_the_ranks():
+    seen = [torch.load(two_rank_runs() / f"eval_{r}.pt") for r in (0, 1)]   # dist_workers.eval_uneven
     assert seen[0] == seen[1]                                                 # one world number
     assert seen[0]["scored"] == sorted(range(5))                              # rows 0..4, once each
     assert seen[0]["accuracy"] == pytest.approx(sum(range(5)) / 5)
@@ -125,13 +82,16 @@ def test_rows_reach_rewards_as_the_dataset_has_them_and_your_rewards_weigh_one_e
     log = tmp_path / "calls.jsonl"
     (tmp_path / "r.py").write_text(
         "import json\n"
-        f"def seen(completion, **row):\n    open({str(log)!r}, 'a').write(json.dumps(\n"
-        "        {k: [type(v).__name__, v] for k, v in row.items()}) + '\\n')\n    return 1.0\n"
-        "def two(completion, **row):\n    return 2.0\n")
-    res = run_cli(*REAL, "--model_name_or_path", model_dir, "--dataset", data, "--answer_field", "answer2",
-                  "--reward_funcs", f"{tmp_path / 'r.py'}:seen,{tmp_path / 'r.py'}:two", "--max_steps", "1",
-                  "--save_dir", tmp_path / "run")
-    assert res.returncode == 0, res.stderr[-3000:]
+        "def seen(completions, answer, gold, answer2, **kwargs):\n"
+        f"    with open({str(log)!r}, 'a') as f:\n"
+        "        for row in zip(answer, gold, answer2):\n"
+        "            f.write(json.dumps({k: [type(v).__name__, v] for k, v in zip(['answer', 'gold', 'answer2'], row)})"
+        " + '\\n')\n"
+        "    return [1.0] * len(completions)\n"
+        "def two(completions, **kwargs):\n    return [2.0] * len(completions)\n")
+    tg.main([*REAL, "--model_name_or_path", model_dir, "--dataset", str(data), "--answer_field", "answer2",
+             "--reward_funcs", f"{tmp_path / 'r.py'}:seen,{tmp_path / 'r.py'}:two", "--max_steps", "1",
+             "--save_dir", str(tmp_path / "run")])
     calls = [json.loads(l) for l in open(log)]
     assert calls and all(c["answer"][0] == "int" and c["gold"][0] == "list" and c["answer2"][0] == "str"
                          for c in calls)
@@ -157,7 +117,7 @@ def test_generation_stops_and_the_mask_ends_on_every_declared_eos_id():
     other = comp[row, 2].item()
     assert other != tok.eos_token_id
     model.generation_config.eos_token_id = [tok.eos_token_id, other]
-    comp2, mask2, truncated2, _ = tg.rollout(model, ids, am, tok, max_gen_len=8, do_sample=False)
+    comp2, mask2, truncated2 = tg.rollout(model, ids, am, tok, max_gen_len=8, do_sample=False)
     for i in range(len(prompts)):  # each row: the old tokens up to the first of either EOS, then nothing
         ends = [t for t in range(comp.shape[1]) if comp[i, t].item() in (tok.eos_token_id, other)]
         stop = ends[0] if ends else comp.shape[1] - 1
@@ -187,17 +147,19 @@ def test_wandb_resume_reopens_the_same_run(tmp_path, monkeypatch):
     import glob
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    common = [*FAST, "--max_steps", "3", "--report_to", "wandb", "--save_dir", tmp_path]
-    assert run_cli(*common, "--stop_after", "2").returncode == 0
-    assert run_cli(*common, "--resume", "auto").returncode == 0
+    common = [*FAST, "--max_steps", "3", "--report_to", "wandb", "--save_dir", str(tmp_path)]
+    tg.main([*common, "--stop_after", "2"])
+    tg.main([*common, "--resume", "auto"])
     runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
-    assert len(runs) == 2 and len({r.rsplit("-", 1)[1] for r in runs}) == 1    # one run id, opened twice
+    # offline-run-<date>_<time>-<id>, and "-1" after it when both opened within one second
+    ids = [re.fullmatch(r"offline-run-\d{8}_\d{6}-(\w+?)(-\d+)?", r.rsplit("/", 1)[1]).group(1) for r in runs]
+    assert len(runs) == 2 and len(set(ids)) == 1 and len(ids[0]) == 8          # one run id, opened twice
 
 
 # ---- flags that cannot work together are refused before any work ----
-def test_built_in_model_with_a_dataset_is_refused(tmp_path):
-    from test_cli import one_line_error
-    line = one_line_error(run_cli("--dataset", "gsm8k", "--save_dir", tmp_path / "run"))
+def test_built_in_model_with_a_dataset_is_refused(tmp_path, capsys):
+    from test_cli import in_process, one_line_error
+    line = one_line_error(in_process(capsys, "--dataset", "gsm8k", "--save_dir", tmp_path / "run"))
     assert "--dataset gsm8k needs --model_name_or_path" in line
     assert not (tmp_path / "run").exists()
 
@@ -284,8 +246,7 @@ def test_compare_numbers_holds_out_questions_never_trained_in_either_order():
 # ---- no held-out set, no held-out number ----
 def test_evaluation_without_held_out_prompts_is_refused_or_said(tmp_path, capsys):
     assert list(tg.check_args(tg.Args(eval_size=0))) == [
-        "--eval_interval 50 evaluates held-out prompts, but --eval_size 0 holds none out (set --eval_interval 0, "
-        "or --eval_size > 0)"]
+        "--eval_interval 50 needs held-out prompts: set --eval_size > 0 or --eval_interval 0"]
     assert list(tg.check_args(tg.Args(eval_size=0, eval_interval=0))) == []
     # a file of 6 rows holds none out (a tenth of it is 0 rows): the run says so and evaluates nothing
     model_dir = tmp_path / "model"
@@ -296,6 +257,6 @@ def test_evaluation_without_held_out_prompts_is_refused_or_said(tmp_path, capsys
     tg.main([*REAL[:-2], "--eval_interval", "1", "--model_name_or_path", str(model_dir), "--dataset",
              str(tmp_path / "six.jsonl"), "--max_steps", "1", "--save_dir", str(tmp_path / "run")])
     out = capsys.readouterr().out
-    assert "no held-out prompts" in out and "no held-out eval" in out
+    assert "0 held-out prompts" in out and "no held-out eval" in out
     rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r for r in rows if "eval_accuracy" in r] == []
