@@ -1,5 +1,6 @@
 """Shared by the tests: run the CLI, spawn 2 gloo processes, make a tiny model and tokenizer."""
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -102,6 +103,35 @@ def spawn(fn, *args, world=2, timeout=600):
                 raise TimeoutError(f"the ranks hung for {timeout} s")
 
 
+_SUITE = {}
+
+
+def dist_suite():
+    """The folder of what dist_workers' 2-rank workers saved for test_ddp, test_entropy, test_loop and
+    test_distribution. They run once per session, one after the other in one pair of processes (a pair's start-up
+    costs more than most workers); a failure is raised again to every test that reads the folder."""
+    if not _SUITE:
+        import atexit
+        import shutil
+        import dist_workers
+        out = tempfile.mkdtemp(prefix="dist_suite_")
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        run = FAST + ["--max_steps", "3"]
+        jobs = [("train", (run + ["--use_adaptive_entropy", "1", "--entropy_target", "5.0", "--entropy_coef_delta",
+                                  "0.001", "--save_dir", os.path.join(out, "run")], out, False, "train")),
+                ("train", (run + ["--save_dir", os.path.join(out, "bypass")], out, True, "bypass")),
+                *((name, (out,)) for name in ("moe_empty_expert", "entropy_world", "batch_std_world",
+                                              "loop_step_grads", "warm_up_grads", "world_quantities"))]
+        try:
+            spawn(dist_workers.suite, out, jobs, [free_port() for _ in jobs])
+            _SUITE["out"] = out
+        except Exception as e:
+            _SUITE["error"] = e
+    if "error" in _SUITE:
+        raise RuntimeError("the 2-rank workers failed: see the exception above") from _SUITE["error"]
+    return pathlib.Path(_SUITE["out"])
+
+
 def tiny(use_moe=0, seed=0):
     torch.manual_seed(seed)
     tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
@@ -120,9 +150,9 @@ def sample_batch(model, tok, n_prompts=4, G=4, seed=0, max_gen_len=6):
 
 def step_on_batch(args, run, batch, state=None):
     """One real tg.grpo_step whose rollout is `batch` (prompt + completion ids, attention mask, completion mask,
-    the sampler's log-probs, the advantages) instead of a sampled one; old and reference log-probs are the
-    step's own. Returns the step's record and the gradients the optimizer's step received (unscaled, clipped
-    as --grad_clip says; None: no gradient), one list per update, in the optimizer's parameter order."""
+    the advantages) instead of a sampled one; old and reference log-probs are the step's own. Returns the step's
+    record and the gradients the optimizer's step received (unscaled, clipped as --grad_clip says; None: no
+    gradient), one list per update, in the optimizer's parameter order."""
     P = batch["input_ids"].shape[1] - batch["mask"].shape[1]
     rows = batch["input_ids"].shape[0]
     received = []
@@ -130,10 +160,8 @@ def step_on_batch(args, run, batch, state=None):
         [None if p.grad is None else p.grad.clone() for g in opt.param_groups for p in g["params"]]))
     stand_ins = dict(
         tokenize_prompts=lambda *a, **k: (batch["input_ids"][:, :P], batch["attention_mask"][:, :P], 0),
-        rollout=lambda *a, **k: (batch["input_ids"][:, P:], batch["mask"], torch.zeros(rows, dtype=torch.bool),
-                                 batch["sampler_logps"]),
-        decode_completions=lambda *a: [""] * rows, compute_rewards=lambda *a: torch.zeros(rows),
-        compute_advantages=lambda *a: batch["advantages"])
+        rollout=lambda *a, **k: (batch["input_ids"][:, P:], batch["mask"], torch.zeros(rows, dtype=torch.bool)),
+        compute_rewards=lambda *a, **k: torch.zeros(rows), compute_advantages=lambda *a, **k: batch["advantages"])
     real = {k: getattr(tg, k) for k in stand_ins}
     for k, v in stand_ins.items():
         setattr(tg, k, v)
@@ -151,4 +179,5 @@ def make_run(model, tok=None, optimizer=None, world=1, fp16=False, reward_fns=()
     scaler = torch.amp.GradScaler("cpu", enabled=fp16)
     if scheduler is None and optimizer is not None:  # a constant rate
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return tg.Trainer(model, None, optimizer, scheduler, scaler, tok, list(reward_fns), list(weights), world, "cpu")
+    return tg.Trainer(model, None, optimizer, scheduler, scaler, tok, list(reward_fns), list(weights), world,
+                      torch.device("cpu"))  # grpo_step reads device.type

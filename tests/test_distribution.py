@@ -7,8 +7,7 @@ import statistics
 import pytest
 import torch
 
-from helpers import FAST, run_cli, run_clis, spawn, tg, tiny
-import dist_workers
+from helpers import FAST, dist_suite, tg, tiny
 from test_real_path import REAL, SAMPLE, load_final, save_tiny
 
 
@@ -144,39 +143,84 @@ def test_kl_is_zero_before_the_first_update_with_dropout_in_the_config(tmp_path)
     assert AutoConfig.from_pretrained(tmp_path / "run" / "final").attention_dropout == 0.5  # the config is kept
 
 
-def test_truncated_completions_are_rewarded_on_their_text(tmp_path, monkeypatch):
+def full_forward(model, prompt_ids, prompt_mask, comp, mask):
+    """Plain forward over prompt + completion: logits [rows, T, V] at the completion positions, in float64."""
+    ids, attn = torch.cat([prompt_ids, comp], 1), torch.cat([prompt_mask, mask], 1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    return model(ids, attention_mask=attn, position_ids=pos).logits[:, -comp.shape[1] - 1:-1].double()
+
+
+def test_truncated_completions_are_rewarded_on_their_text_and_every_metric_covers_every_row(tmp_path, monkeypatch):
+    """--mask_truncated_completions 1, mu = 2, micro-batches of 4 rows. A truncated completion is rewarded on its
+    text, completion_len is every completion's length before the masking, and the entropy (first update) and
+    clip_ratio (last update) are over every row's tokens that the masking keeps, all computed here by hand."""
     seen, real = [], tg.reverse_reward
 
-    def reverse_reward(completion, answer):  # records what the reward function is given
-        seen.append((completion, real(completion, answer)))
-        return seen[-1][1]
+    def reverse_reward(completions, answer, **kw):  # records what the reward function is given
+        values = real(completions, answer, **kw)
+        seen.extend(zip(completions, values))
+        return values
     monkeypatch.setattr(tg, "reverse_reward", reverse_reward)
     rolled, real_rollout = [], tg.rollout
-    monkeypatch.setattr(tg, "rollout", lambda *a, **k: rolled.append(real_rollout(*a, **k)) or rolled[-1])
-    # 3 new tokens cannot hold a 5-letter answer and its EOS: most completions are truncated
-    tg.main(FAST + ["--max_steps", "1", "--max_gen_len", "3", "--mask_truncated_completions", "1",
+    monkeypatch.setattr(tg, "rollout", lambda *a, **k: rolled.append((a, real_rollout(*a, **k))) or rolled[-1][1])
+    weights, real_step = [], torch.optim.AdamW.step
+
+    def step(self, *a, **k):  # the policy after each update
+        out = real_step(self, *a, **k)
+        weights.append([p.detach().clone() for p in self.param_groups[0]["params"]])
+        return out
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    eps = 0.004
+    # 4 new tokens cannot hold a 5-letter answer and its EOS: many completions are truncated
+    tg.main(FAST + ["--max_steps", "1", "--max_gen_len", "4", "--mask_truncated_completions", "1",
+                    "--num_iterations", "2", "--micro_batch_size", "4", "--epsilon", str(eps),
                     "--save_dir", str(tmp_path)])
     row = json.loads(open(tmp_path / "metrics.jsonl").readline())
-    comp, mask, truncated, _ = rolled[0]
-    assert truncated.sum() >= 4
+    (args, (comp, mask, truncated)), = rolled
+    assert 4 <= truncated.sum() <= 12
     tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
     cut = torch.nonzero(truncated).flatten().tolist()
     for i in cut:                                            # rewarded on the text as generated, not on ""
         assert seen[i][0] == tok.decode(comp[i], skip_special_tokens=True)
     assert sum(len(seen[i][0]) for i in cut) >= 2 * len(cut)
     assert row["reward"] == pytest.approx(statistics.mean(r for _, r in seen))
-    # ... and only which tokens count changes: the truncated rows' tokens are out of the mask
-    assert row["completion_len"] == pytest.approx((mask * ~truncated[:, None]).sum(1).float().mean().item())
+    # completion_len: each completion up to its first EOS, or all T tokens, before the masking
+    ids = comp.tolist()
+    lengths = [ids[i].index(tok.eos_token_id) + 1 if tok.eos_token_id in ids[i] else len(ids[i]) for i in range(16)]
+    assert row["completion_len"] == pytest.approx(statistics.mean(lengths))
+    assert statistics.mean(lengths) != pytest.approx(statistics.mean(l for i, l in enumerate(lengths) if i not in cut))
+    # the tokens the loss and the metrics count: the completions that ended, up to their EOS
+    kept = torch.tensor([[i not in cut and t < lengths[i] for t in range(comp.shape[1])] for i in range(16)])
+    model, _ = tiny()                                   # the trainer's initial weights (same seed, same config)
+    with torch.no_grad():
+        logp0 = torch.log_softmax(full_forward(model, args[1], args[2], comp, kept.long()), -1)
+        for p, w in zip(model.parameters(), weights[0]):
+            p.copy_(w)
+        logp1 = torch.log_softmax(full_forward(model, args[1], args[2], comp, kept.long()), -1)
+    entropy = -(logp0.exp() * logp0).sum(-1)
+    assert row["entropy"] == pytest.approx(entropy[kept].mean().item(), rel=1e-5)
+    # clip_ratio of the second update: on-policy old = the sampler, the ratio against the policy after update 1
+    pick = lambda lp: lp.gather(-1, comp[..., None]).squeeze(-1)
+    ratio = torch.exp(pick(logp1) - pick(logp0))
+    rewards = [r for _, r in seen]
+    adv = []
+    for g in range(0, 16, 4):
+        grp = rewards[g:g + 4]
+        tied = max(grp) == min(grp)
+        adv += [0.0 if tied else (x - statistics.mean(grp)) / (statistics.stdev(grp) + 1e-4) for x in grp]
+    A = torch.tensor(adv, dtype=torch.float64)[:, None].expand_as(ratio)
+    clipped = ((ratio < 1 - eps) & (A < 0)) | ((ratio > 1 + eps) & (A > 0))
+    assert ((ratio[kept] - (1 - eps)).abs().min() > 1e-5) and ((ratio[kept] - (1 + eps)).abs().min() > 1e-5)
+    assert 0 < clipped[kept].sum() < kept.sum()
+    assert row["clip_ratio"] == pytest.approx(clipped[kept].sum().item() / kept.sum().item(), rel=1e-9)
 
 
 def test_saved_moe_checkpoint_resumes(tmp_path):
     moe_dir = save_tiny(tmp_path / "moe", moe=True)
-    common = [*REAL, "--model_name_or_path", moe_dir, "--dataset", SAMPLE, "--use_moe", "1", "--max_steps", "2"]
-    straight, first = run_clis([*common, "--save_dir", tmp_path / "a"],
-                               [*common, "--stop_after", "1", "--save_dir", tmp_path / "b"])
-    assert straight.returncode == 0 and first.returncode == 0, straight.stderr[-2000:] + first.stderr[-2000:]
-    res = run_cli(*common, "--resume", "auto", "--save_dir", tmp_path / "b")
-    assert res.returncode == 0, res.stderr[-3000:]
+    common = [*REAL, "--model_name_or_path", str(moe_dir), "--dataset", SAMPLE, "--use_moe", "1", "--max_steps", "2"]
+    assert tg.main([*common, "--save_dir", str(tmp_path / "a")])["step"] == 2
+    assert tg.main([*common, "--stop_after", "1", "--save_dir", str(tmp_path / "b")])["step"] == 1
+    assert tg.main([*common, "--resume", "auto", "--save_dir", str(tmp_path / "b")])["step"] == 2
     wa, wb = load_final(tmp_path / "a"), load_final(tmp_path / "b")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -190,7 +234,8 @@ def test_logged_lr_is_the_rate_each_step_used(tmp_path, monkeypatch):
         return real_step(self, *a, **k)
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     lr, warmup, steps = 1e-3, 3, 7
-    tg.main(FAST + ["--max_steps", str(steps), "--learning_rate", str(lr), "--warmup_steps", str(warmup),
+    tg.main(FAST + ["--batch_size", "1", "--num_generations", "2", "--max_gen_len", "2",   # the lr is all it reads
+                    "--max_steps", str(steps), "--learning_rate", str(lr), "--warmup_steps", str(warmup),
                     "--lr_scheduler", "cosine", "--save_dir", str(tmp_path)])
     # by hand: step s (from 1) is update s - 1: warmup s / (warmup + 1), then 0.5 (1 + cos(pi (s - 1 - w) / (N - w)))
     hand = [lr * (s / (warmup + 1) if s <= warmup else 0.5 * (1 + math.cos(math.pi * (s - 1 - warmup) / (steps - warmup))))
@@ -199,9 +244,8 @@ def test_logged_lr_is_the_rate_each_step_used(tmp_path, monkeypatch):
     assert logged == pytest.approx(hand, rel=1e-12) and used == pytest.approx(hand, rel=1e-12)
 
 
-def test_batch_std_is_the_world_batch_std(tmp_path):
-    spawn(dist_workers.batch_std_world, str(tmp_path))
-    r0, r1 = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+def test_batch_std_is_the_world_batch_std():
+    r0, r1 = [torch.load(dist_suite() / f"batch_std_{r}.pt", weights_only=True) for r in (0, 1)]
     everything = r0["rewards"].tolist() + r1["rewards"].tolist()
     sd = statistics.stdev(everything)                                             # by hand, over both ranks
     assert r0["std"] == pytest.approx(sd, rel=1e-9) and r1["std"] == pytest.approx(sd, rel=1e-9)
@@ -210,25 +254,23 @@ def test_batch_std_is_the_world_batch_std(tmp_path):
         assert r["adv"].tolist() == pytest.approx(want, abs=1e-6)
 
 
-def test_every_world_quantity_of_the_step_is_the_worlds(tmp_path):
+def test_every_world_quantity_of_the_step_is_the_worlds():
     """Each number grpo_step reduces over the ranks, against a hand computation from both ranks' data (which
-    differ, so a number computed on one rank does not pass): (a) the batch std, (b) N, (c) the world entropy,
-    (d) the most rows kept, (e) the micro-batch count S, (f) the skip decision."""
-    spawn(dist_workers.world_quantities, str(tmp_path), timeout=120)
-    r0, r1 = [torch.load(tmp_path / f"world_{r}.pt", weights_only=True) for r in (0, 1)]
+    differ, so a number computed on one rank does not pass): (a) the batch std, (b) N, (c) the world entropy over
+    every row's tokens, (d) the micro-batch count S, (e) the skip decision, which DDP's all-reduce shares."""
+    r0, r1 = [torch.load(dist_suite() / f"world_{r}.pt", weights_only=True) for r in (0, 1)]   # world_quantities
     sd = statistics.stdev(r0["rewards"] + r1["rewards"])
     assert all(sd != pytest.approx(statistics.stdev(r["rewards"])) for r in (r0, r1))          # the data tell
     N = r0["tokens"] + r1["tokens"]
+    assert r0["tokens"] != r1["tokens"]
     H = (r0["ent_sum"] + r1["ent_sum"]) / (r0["ent_count"] + r1["ent_count"])
     means = [r["ent_sum"] / r["ent_count"] for r in (r0, r1)]
     assert all(H != pytest.approx(x, rel=1e-3) for x in [*means, sum(means) / 2])  # nor a mean of rank means
-    most, micro = max(r0["kept"], r1["kept"]), 2
-    assert (r0["kept"], r1["kept"]) == (4, 8) and math.ceil(4 / micro) != math.ceil(most / micro)
+    micro = 2
     for r in (r0, r1):
         assert r["batch_std"] == pytest.approx([sd, sd], rel=1e-12)                              # (a)
         assert r["num_items"] and set(r["num_items"]) == {N}                                     # (b)
         assert r["world_entropy"] == pytest.approx(H, rel=1e-5)                                  # (c)
-        assert r["most_kept"] == [most, most]                                                    # (d)
-        assert r["forwards"] == math.ceil(most / micro)                                          # (e)
-        assert r["skipped_after_1"] == 0 and r["skipped_after_2"] == 1 and not r["moved_in_2"]   # (f)
+        assert r["forwards"] == math.ceil(r["rows"] / micro) == 4                                # (d)
+        assert r["skipped_after_1"] == 0 and r["skipped_after_2"] == 1 and not r["moved_in_2"]   # (e)
     assert all(math.isfinite(x) for x in r0["local_loss"])  # rank 0's own loss was finite: it skipped for rank 1

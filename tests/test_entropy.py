@@ -4,10 +4,7 @@ import json
 import pytest
 import torch
 
-from helpers import sample_batch, spawn, tg, tiny
-import dist_workers
-
-FULL = dict(temperature=1.0, top_k=0, top_p=1.0)  # the full distribution: no truncation
+from helpers import dist_suite, make_run, sample_batch, step_on_batch, tg, tiny
 
 
 def naive_entropy(logits):
@@ -50,14 +47,14 @@ def chunk_inputs():
     model, tok = tiny()
     hidden = torch.randn(6, 5, 64, requires_grad=True)
     targets = torch.randint(0, len(tok), (6, 5))
-    return model.lm_head, hidden, targets
+    return model, hidden, targets
 
 
 def test_logged_entropy_saves_nothing_for_backward():
-    lm_head, hidden, targets = chunk_inputs()
-    without, _ = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, False, with_entropy=False))
-    logged, (lp, ent) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, False))
-    in_graph, (_, ent_g) = saved_bytes(lambda: tg._chunk_logps_entropy(lm_head, hidden, targets, FULL, True))
+    model, hidden, targets = chunk_inputs()
+    without, _ = saved_bytes(lambda: tg._chunk_logps_entropy(model, hidden, targets, 1.0, False, with_entropy=False))
+    logged, (lp, ent) = saved_bytes(lambda: tg._chunk_logps_entropy(model, hidden, targets, 1.0, False))
+    in_graph, (_, ent_g) = saved_bytes(lambda: tg._chunk_logps_entropy(model, hidden, targets, 1.0, True))
     assert logged == without and not ent.requires_grad
     assert in_graph > without and ent_g.requires_grad  # the deliberately non-detached version keeps softmax & co
 
@@ -83,7 +80,8 @@ def test_trainer_forward_saves_same_bytes_with_and_without_entropy():
 
 
 def naive_loss(model, input_ids, attn, comp, mask, adv, alpha, with_aux):
-    """The plain path: full [rows, T, V] logits, log_softmax, entropy -sum p log p, grpo normalization by hand."""
+    """The plain path: full [rows, T, V] logits, log_softmax, entropy -sum p log p, grpo normalization by hand,
+    and the bonus alpha times the token mean of the entropy."""
     T = comp.shape[1]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids, attention_mask=attn, position_ids=pos,
@@ -91,8 +89,8 @@ def naive_loss(model, input_ids, attn, comp, mask, adv, alpha, with_aux):
     logp_all = torch.log_softmax(out.logits[:, -T - 1:-1].float(), -1)
     logps = logp_all.gather(-1, comp[..., None]).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
-    per_tok = -torch.exp(logps - logps.detach()) * adv[:, None] - alpha * ent
-    loss = ((per_tok * mask).sum(1) / mask.sum(1)).mean()
+    per_tok = -torch.exp(logps - logps.detach()) * adv[:, None]
+    loss = ((per_tok * mask).sum(1) / mask.sum(1)).mean() - alpha * (ent * mask).sum() / mask.sum()
     if with_aux:
         loss = loss + model.config.router_aux_loss_coef * out.aux_loss
     return loss
@@ -108,7 +106,8 @@ def test_chunked_path_equals_full_logits_path(use_moe, alpha):
     logps, ent, aux = tg.completion_logps(model, input_ids, attn, comp.shape[1], chunk_size=2,
                                           entropy_grad=alpha != 0)
     loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
-                           divisor=mask.shape[0], entropy=ent, alpha=alpha)
+                           divisor=mask.shape[0])
+    loss = loss - alpha * (ent * mask).sum() / mask.sum()  # the bonus as grpo_step adds it (S = 1)
     if use_moe:
         loss = loss + model.config.router_aux_loss_coef * aux
     grads = torch.autograd.grad(loss, list(model.parameters()))
@@ -117,6 +116,31 @@ def test_chunked_path_equals_full_logits_path(use_moe, alpha):
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+def test_entropy_bonus_is_the_same_for_every_loss_type(loss_type):
+    """grpo_step adds -alpha * sum(H m) / max(sum m, 1) / S for each micro-batch, whatever the loss type (TRL),
+    never divided by the loss's divisor D. With every advantage 0 the bonus is all of the gradient; the
+    reference is alpha times the gradient of the micro-batches' token means of H over S, by a full forward."""
+    model, tok = tiny()
+    input_ids, attn, comp, mask = sample_batch(model, tok)                       # 16 rows
+    alpha, micro, T = 0.05, 6, comp.shape[1]                                     # S = 3: 6, 6 and 4 rows
+    m = mask.double()
+    counts = [m[j:j + micro].sum().item() for j in range(0, 16, micro)]
+    assert len(set(counts)) == 3                 # the micro-batches' token means differ from the batch's
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    logp = torch.log_softmax(model(input_ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1].double(), -1)
+    H = -(logp.exp() * logp).sum(-1)                                             # [rows, T]
+    bonus = sum((H[j:j + micro] * m[j:j + micro]).sum() / m[j:j + micro].sum() for j in range(0, 16, micro)) / 3
+    want = torch.autograd.grad(-alpha * bonus, list(model.parameters()))
+    args = tg.parse_args(["--loss_type", loss_type, "--batch_size", "4", "--num_generations", "4",
+                          "--micro_batch_size", str(micro), "--grad_clip", "0", "--entropy_coef", str(alpha)])
+    run = make_run(model, tok, torch.optim.SGD(model.parameters(), lr=0.0))
+    batch = dict(input_ids=input_ids, attention_mask=attn, mask=mask, advantages=torch.zeros(16))
+    _, received = step_on_batch(args, run, batch, tg.TrainState(alpha=alpha))
+    for got, w in zip(received[0], want):
+        torch.testing.assert_close(got, w.float(), rtol=1e-4, atol=1e-7)
 
 
 def rule(c, h, target, delta, lo, hi):
@@ -133,9 +157,8 @@ def test_update_entropy_coef_rule():
                     (0.0015, 0.0), (0.0005, 0.0), (0.0, 0.0), (0.0, 0.0)]
 
 
-def test_two_ranks_hold_one_coefficient_from_world_sums(tmp_path):
-    spawn(dist_workers.entropy_world, str(tmp_path))
-    logs = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+def test_two_ranks_hold_one_coefficient_from_world_sums():
+    logs = [json.load(open(dist_suite() / f"entropy_{r}.json")) for r in (0, 1)]
     c = c_bad = 0.0
     differs = False
     for s0, s1 in zip(*logs):
@@ -171,7 +194,7 @@ def test_largest_logits_tensor_stays_within_the_byte_budget_whatever_the_vocabul
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                                          tie_word_embeddings=True))
-    rows, T = 8, 64                                              # 512 completion tokens: more than one chunk
+    rows, T = 2, 64                                   # 128 completion tokens: more than one chunk at either vocabulary
     ids = torch.randint(0, vocab, (rows, 4 + T))
     shapes = []
     real = tg.lm_logits

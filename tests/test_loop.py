@@ -5,8 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import FAST, run_cli, spawn, tg, tiny
-import dist_workers
+from helpers import FAST, dist_suite, run_cli, tg, tiny
 
 
 def logged(tmp_path, *flags, monkeypatch=None, capture=None):
@@ -25,36 +24,55 @@ def full_forward(model, prompt_ids, prompt_mask, comp, mask):
     return model(ids, attention_mask=attn, position_ids=pos).logits[:, -comp.shape[1] - 1:-1].double()
 
 
-@pytest.mark.parametrize("skip", [0, 1])
-def test_logged_entropy_is_that_of_the_sampling_distribution(tmp_path, monkeypatch, skip):
+def test_logged_entropy_is_that_of_the_sampling_distribution(tmp_path, monkeypatch):
     rollouts = []
-    rows = logged(tmp_path, "--max_steps", "1", "--temperature", "0.7", "--skip_zero_advantage_rows", str(skip),
-                  monkeypatch=monkeypatch, capture=rollouts)
+    rows = logged(tmp_path, "--max_steps", "1", "--temperature", "0.7", monkeypatch=monkeypatch, capture=rollouts)
     (args, (comp, mask, *_)), = rollouts
     model, tok = tiny()                                 # the trainer's initial weights (same seed, same config)
     with torch.no_grad():
         logp = torch.log_softmax(full_forward(model, args[1], args[2], comp, mask) / 0.7, -1)
     entropy = -(logp.exp() * logp).sum(-1)                                        # [rows, T] at temperature 0.7
-    # skipping: over the rows trained on, those whose advantage is not 0 (a group whose rewards all tie)
-    prompts = tok.batch_decode(args[1], skip_special_tokens=True)
-    texts = [tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(comp, mask)]
-    rewards = torch.tensor([tg.reverse_reward(t, p[:-1][::-1]) for t, p in zip(texts, prompts)])
-    grouped = rewards.view(-1, 4)
-    trained = (grouped.amax(1) != grouped.amin(1)).repeat_interleave(4) if skip else torch.ones(len(texts))
-    assert rows[0]["rows_trained"] == trained.sum() > 0 and (not skip or trained.sum() < len(texts))
-    m = mask * trained[:, None]
-    want = (entropy * m).sum() / m.sum()
+    want = (entropy * mask).sum() / mask.sum()                                    # every row's tokens
     assert rows[0]["entropy"] == pytest.approx(want.item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("sampling", [[], ["--top_p", "0.7"]])
-def test_kl_is_zero_at_step_1_then_positive_against_a_frozen_reference(tmp_path, sampling):
-    # top_p 0.7 under sampling replay: the policy and the reference each score their own nucleus (the
-    # sampled token kept); at equal weights those are one distribution, and the KL is 0 there too
-    rows = logged(tmp_path, "--max_steps", "3", "--beta", "0.04", "--learning_rate", "1e-3", *sampling)
+def test_kl_is_zero_at_step_1_then_positive_against_a_frozen_reference(tmp_path):
+    rows = logged(tmp_path, "--max_steps", "3", "--beta", "0.04", "--learning_rate", "1e-3")
     kl = [r["kl"] for r in rows]
     assert kl[0] == 0.0                   # the reference is the policy before the first update
     assert kl[1] > 1e-6 and kl[2] > 1e-6  # the policy moved, the reference did not
+
+
+def test_reference_and_old_log_probs_run_one_micro_batch_at_a_time(tmp_path, monkeypatch):
+    """--micro_batch_size 4 --beta 0.04 --num_iterations 2 on B*G = 16 rows: no log-prob pass, the no-grad
+    reference and old ones included, holds more than a micro-batch, and the reference and old log-probs the loss
+    receives equal one full-batch forward of the policy that sampled (an independent computation)."""
+    calls, losses, rollouts = [], [], []
+    real_logps, real_loss = tg.completion_logps, tg.grpo_loss
+
+    def completion_logps(model, input_ids, *a, **k):
+        calls.append((input_ids.shape[0], torch.is_grad_enabled()))
+        return real_logps(model, input_ids, *a, **k)
+
+    def grpo_loss(logps, old, adv, mask, **k):
+        losses.append((old, k["ref_logps"]))
+        return real_loss(logps, old, adv, mask, **k)
+    monkeypatch.setattr(tg, "completion_logps", completion_logps)
+    monkeypatch.setattr(tg, "grpo_loss", grpo_loss)
+    logged(tmp_path, "--max_steps", "1", "--micro_batch_size", "4", "--beta", "0.04", "--num_iterations", "2",
+           monkeypatch=monkeypatch, capture=rollouts)
+    (args, (comp, mask, *_)), = rollouts
+    assert comp.shape[0] == 16 and max(n for n, _ in calls) <= 4
+    assert [n for n, grad in calls if not grad] == [4] * 8        # the reference, then old: 4 micro-batches each
+    assert [n for n, grad in calls if grad] == [4] * 8            # 2 updates of 4 micro-batches
+    model, tok = tiny()                                 # the trainer's initial weights (same seed, same config)
+    with torch.no_grad():
+        logp = torch.log_softmax(full_forward(model, args[1], args[2], comp, mask), -1)
+    want = logp.gather(-1, comp[..., None]).squeeze(-1)[mask.bool()]
+    for update in (losses[:4], losses[4:]):                       # both updates get the same old and reference
+        old, ref = torch.cat([o for o, _ in update]), torch.cat([r for _, r in update])
+        torch.testing.assert_close(old[mask.bool()].double(), want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ref[mask.bool()].double(), want, rtol=0, atol=1e-5)
 
 
 def test_above_the_target_the_coefficient_falls_and_the_bonus_is_off(tmp_path):
@@ -83,8 +101,7 @@ def test_loop_keeps_entropy_out_of_the_graph_when_no_bonus_applies(monkeypatch):
     model, tok = tiny()
     input_ids, attn, comp, mask = sample_batch(model, tok)
     args = tg.parse_args(["--batch_size", "4", "--num_generations", "4", "--micro_batch_size", "8"])
-    batch = dict(input_ids=input_ids, attention_mask=attn, mask=mask, advantages=torch.randn(16),
-                 sampler_logps=torch.zeros_like(mask, dtype=torch.float))
+    batch = dict(input_ids=input_ids, attention_mask=attn, mask=mask, advantages=torch.randn(16))
     seen, real = [], tg.completion_logps
     monkeypatch.setattr(tg, "completion_logps", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     for coef in (0.0, 0.01):
@@ -105,10 +122,9 @@ def test_left_truncation_keeps_the_end_of_the_prompt():
     assert am.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]  # left-padded
 
 
-def test_two_ranks_with_micro_steps_equal_one_process_on_the_combined_batch(tmp_path):
+def test_two_ranks_with_micro_steps_equal_one_process_on_the_combined_batch():
     import statistics
-    spawn(dist_workers.loop_step_grads, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    ranks = [torch.load(dist_suite() / f"loop_{r}.pt", weights_only=True) for r in (0, 1)]
     tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
     model, _ = tiny()
     for loss_type in ("dapo", "cispo", "grpo"):
@@ -141,31 +157,9 @@ def test_two_ranks_with_micro_steps_equal_one_process_on_the_combined_batch(tmp_
                                            msg=lambda m: f"{loss_type} {name}: {m}")
 
 
-def warm_up_grads(rank, world, out_dir):
-    """One supervised warm-up step of --batch_size 3 on 2 ranks: the prompts this rank took and the gradient
-    the clip saw (after DDP's all-reduce)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    torch.distributed.init_process_group("gloo")
-    model, tok = tiny()
-    seen, real_tokenize, real_clip = {}, tg.tokenize_prompts, tg.clip_grad_norm
-
-    def tokenize(tok, prompts, *a, **k):
-        seen["prompts"] = prompts
-        return real_tokenize(tok, prompts, *a, **k)
-
-    def clip(m, max_norm):
-        seen["grads"] = {n: p.grad.clone() for n, p in m.named_parameters()}
-        return real_clip(m, max_norm)
-    tg.tokenize_prompts, tg.clip_grad_norm = tokenize, clip
-    args = tg.parse_args(["--sft_warmup_steps", "1", "--batch_size", "3"])
-    tg.sft_warmup(DDP(model), tok, tg.make_reverse_task(16)[0], args, "cpu", rank, world)
-    torch.save(seen, f"{out_dir}/warm{rank}.pt")
-    dist_workers.close_group()
-
-
-def test_two_ranks_warm_up_on_an_uneven_split_takes_the_mean_over_the_whole_batch(tmp_path):
-    spawn(warm_up_grads, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"warm{r}.pt", weights_only=True) for r in (0, 1)]
+def test_two_ranks_warm_up_on_an_uneven_split_takes_the_mean_over_the_whole_batch():
+    # dist_workers.warm_up_grads: one warm-up step of --batch_size 3 on 2 ranks, the gradient the clip saw
+    ranks = [torch.load(dist_suite() / f"warm_{r}.pt", weights_only=True) for r in (0, 1)]
     assert [len(r["prompts"]) for r in ranks] == [2, 1]                       # 3 rows: 2 and 1
     model, tok = tiny()
     prompts = ranks[0]["prompts"] + ranks[1]["prompts"]

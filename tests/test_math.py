@@ -168,10 +168,8 @@ def test_selective_log_softmax_matches_log_softmax():
 
 
 def test_reverse_reward():
-    assert tg.reverse_reward("dcba", "dcba") == 1.0
-    assert tg.reverse_reward("dcxx", "dcba") == 0.5
-    assert tg.reverse_reward("dcbaa", "dcba") == pytest.approx(4 / 5)
-    assert tg.reverse_reward("", "dcba") == 0.0
+    got = tg.reverse_reward(["dcba", "dcxx", "dcbaa", ""], answer=["dcba"] * 4)
+    assert got == pytest.approx([1.0, 0.5, 4 / 5, 0.0])
 
 
 def test_asymmetric_clip_bounds_and_the_clip_count_by_advantage_sign():

@@ -1,5 +1,5 @@
 """Two nodes, here on one machine: two torchrun launchers of one process each meet at node 0's address and
-train exactly as one node with two processes (DDP and FSDP): the same metrics, the same final weights."""
+train exactly as one node with two processes: the same metrics, the same final weights."""
 import json
 import sys
 
@@ -10,7 +10,7 @@ from helpers import FAST, TRAIN, cli_command, free_port, run_commands
 from test_real_path import load_final
 
 FLAGS = FAST + ["--max_steps", "2", "--batch_size", "2"]
-TIMINGS = {"step_time", "generate_time", "generate_share", "tokens_per_s", "peak_mem_gib"}
+TIMINGS = {"step_time", "generate_time", "tokens_per_s", "peak_mem_gib"}
 
 
 def node_commands(args):
@@ -24,21 +24,19 @@ def node_commands(args):
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_nodes")
-    commands = []
-    for fsdp in (0, 1):  # all six launchers at once: one node of 2 processes, two nodes of 1, DDP and FSDP
-        args = FLAGS + ["--fsdp", str(fsdp)]
-        commands += [cli_command(args + ["--save_dir", out / f"one_node{fsdp}"], 2),
-                     *node_commands(args + ["--save_dir", out / f"two_nodes{fsdp}"])]  # a shared save_dir
+    # the three launchers at once: one node of 2 processes, and two nodes of 1 sharing a save_dir
+    commands = [cli_command(FLAGS + ["--save_dir", out / "one_node"], 2),
+                *node_commands(FLAGS + ["--save_dir", out / "two_nodes"])]
     for res in run_commands(*commands, timeout=300):
         assert res.returncode == 0, res.stderr[-3000:]
     return out
 
 
-@pytest.mark.parametrize("fsdp", [0, 1])
-def test_two_nodes_train_as_one_node_with_two_processes(out, fsdp):
+def test_two_nodes_train_as_one_node_with_two_processes(out):
     metrics = lambda d: [{k: v for k, v in json.loads(line).items() if k not in TIMINGS}
                          for line in open(out / d / "metrics.jsonl")]
-    one, two = metrics(f"one_node{fsdp}"), metrics(f"two_nodes{fsdp}")
+    one, two = metrics("one_node"), metrics("two_nodes")
+    # the one-node run is also the torchrun CLI's check: it ran (exit 0 above), rank 0 alone logs, final/ is saved
     assert [r["step"] for r in one] == [1, 2] and one == two
-    w1, w2 = load_final(out / f"one_node{fsdp}"), load_final(out / f"two_nodes{fsdp}")
+    w1, w2 = load_final(out / "one_node"), load_final(out / "two_nodes")
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
