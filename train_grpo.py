@@ -166,7 +166,7 @@ def grpo_step(args, trainer, prompt_rows, state):
     """One step on this rank's B prompts. It updates `state` and returns the step's metrics, over all ranks."""
     started = time.time()
     reset_peak_memory(trainer.device)
-    device = trainer.device
+    device = torch.device(trainer.device)
     G = args.num_generations
     policy = unwrap(trainer.model)
     tokenizer = trainer.tokenizer
@@ -188,10 +188,9 @@ def grpo_step(args, trainer, prompt_rows, state):
     # 3. Rewards of the completions as generated.
     ids = completion_token_ids(completion_ids, mask)
     completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    # The rewards get each prompt as the dataset has it (chat messages stay messages).
     prompts = []
     for row, text in zip(prompt_rows, texts):
-        prompts += [row.get("prompt", text)] * G
+        prompts += [reward_prompt(row, text, args) for _ in range(G)]
     rewards = compute_rewards(trainer.reward_fns, trainer.weights, prompts, completions, ids, rows)
 
     # 4. Advantages: each reward against its group's.
@@ -285,20 +284,19 @@ def grpo_step(args, trainer, prompt_rows, state):
     grouped = rewards.view(-1, G)
     ties = (grouped.amax(1) == grouped.amin(1)).float().mean()
     world = trainer.world
-    totals = world_sum(rewards.mean(), (rewards ** 2).mean(), advantages.mean(), (advantages ** 2).mean(),
-                       completion_len.mean(), no_eos.float().mean(), ties, sums["loss"], sums["policy_loss"],
-                       sums["kl"], sums["clipped"], sums["aux"], prompts_cut, device=device)
-    r, r2, a, a2, length, no_eos_frac, ties, loss, policy_loss, kl, clipped, aux, cut = totals
+    totals = world_sum(rewards.mean(), completion_len.mean(), no_eos.float().mean(), ties, sums["loss"],
+                       sums["policy_loss"], sums["kl"], sums["clipped"], sums["aux"], prompts_cut, device=device)
+    r, length, no_eos_frac, ties, loss, policy_loss, kl, clipped, aux, cut = totals
     step_time = time.time() - started
-    record = {"reward": r / world, "reward_std": math.sqrt(max(r2 / world - (r / world) ** 2, 0.0)),
-              "frac_reward_zero_std": ties / world,
-              "advantage_std": math.sqrt(max(a2 / world - (a / world) ** 2, 0.0)),
+    # The stds are TRL's, over every row of every rank, with n - 1.
+    record = {"reward": r / world, "reward_std": world_std(rewards, device),
+              "frac_reward_zero_std": ties / world, "advantage_std": world_std(advantages, device),
               "loss": loss / world, "policy_loss": policy_loss / world, "kl": kl / max(N, 1.0),
               "entropy": state.world_entropy, "entropy_coef": state.c, "entropy_coef_applied": alpha,
               "clip_ratio": clipped / max(N, 1.0), "completion_len": length / world,
               "truncated_frac": no_eos_frac / world, "grad_norm": grad_norm.item(), "lr": lr,
               "skipped_steps": state.skipped_steps, "truncated_prompts": int(cut), "step_time": step_time,
-              "generate_time": generate_time, "tokens_per_s": N / step_time,
+              "generate_time": generate_time, "tokens_per_s": length * len(rows) / step_time,
               "peak_mem_gib": peak_memory_gib(device)}
     if is_moe(policy):
         record["aux_loss"] = aux / world
@@ -844,8 +842,10 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=256):
-    """The mean of score() over greedy completions of the held-out rows, over all ranks."""
+def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=0):
+    """The mean of score() over greedy completions of the held-out rows, over all ranks. A generate call holds at
+    most as many rows as a rollout (B*G) unless `batch` says otherwise."""
+    batch = batch or args.batch_size * args.num_generations
     mine = eval_rows[rank::world]
     total = 0.0
     for start in range(0, len(mine), batch):
@@ -857,7 +857,7 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
                                               do_sample=False, static_cache=torch.device(device).type == "cuda")
         token_ids = completion_token_ids(completion_ids, mask)
         completions = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-        prompts = [row.get("prompt", text) for row, text in zip(rows, texts)]
+        prompts = [reward_prompt(row, text, args) for row, text in zip(rows, texts)]
         total += sum(score(prompts, completions, token_ids, rows))
     total, count = world_sum(total, len(mine), device=device)
     return total / max(count, 1)
@@ -1085,6 +1085,14 @@ def load_rows(args):
     # With one split only, its first rows, at most a tenth, are held out.
     n_eval = min(args.eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
+
+
+def reward_prompt(row, text, args):
+    """The prompt a reward function gets: the dataset's own, chat messages as messages, else the text the policy
+    read. It is a copy, so a reward that edits its prompt never changes the training row."""
+    if args.question_field in row or "prompt" not in row:
+        return text
+    return copy.deepcopy(row["prompt"])
 
 
 def render_prompt(tokenizer, row, args):

@@ -262,8 +262,9 @@ def world_quantities(rank, world, out_dir):
     run = make_run(DDP(model), tok, optimizer, world, scheduler=scheduler)
     state = tg.TrainState()
     with patched(**stand_ins):
-        tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
-        out = {"world_entropy": state.world_entropy, "skipped_after_1": state.skipped_steps}
+        record = tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
+        out = {"world_entropy": state.world_entropy, "skipped_after_1": state.skipped_steps,
+               "reward_std": record["reward_std"], "advantage_std": record["advantage_std"]}
         before = [p.detach().clone() for p in model.parameters()]
         step[0] = 2
         tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)

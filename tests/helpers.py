@@ -68,9 +68,20 @@ def run_commands(*commands, timeout=600):
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n):
+    """n distinct free ports: every socket stays bound until all are chosen, so none is handed out twice (a
+    second process group at a port the first one used could hang)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _entry(rank, world, port, fn, args, done_dir):
@@ -123,7 +134,7 @@ def dist_suite():
                 *((name, (out,)) for name in ("moe_empty_expert", "entropy_world", "batch_std_world",
                                               "loop_step_grads", "warm_up_grads", "world_quantities"))]
         try:
-            spawn(dist_workers.suite, out, jobs, [free_port() for _ in jobs])
+            spawn(dist_workers.suite, out, jobs, free_ports(len(jobs)))
             _SUITE["out"] = out
         except Exception as e:
             _SUITE["error"] = e

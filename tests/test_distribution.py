@@ -257,7 +257,8 @@ def test_batch_std_is_the_world_batch_std():
 def test_every_world_quantity_of_the_step_is_the_worlds():
     """Each number grpo_step reduces over the ranks, against a hand computation from both ranks' data (which
     differ, so a number computed on one rank does not pass): (a) the batch std, (b) N, (c) the world entropy over
-    every row's tokens, (d) the micro-batch count S, (e) the skip decision, which DDP's all-reduce shares."""
+    every row's tokens, (d) the micro-batch count S, (e) the skip decision, which DDP's all-reduce shares,
+    (f) the logged reward and advantage stds."""
     r0, r1 = [torch.load(dist_suite() / f"world_{r}.pt", weights_only=True) for r in (0, 1)]   # world_quantities
     sd = statistics.stdev(r0["rewards"] + r1["rewards"])
     assert all(sd != pytest.approx(statistics.stdev(r["rewards"])) for r in (r0, r1))          # the data tell
@@ -274,3 +275,13 @@ def test_every_world_quantity_of_the_step_is_the_worlds():
         assert r["forwards"] == math.ceil(r["rows"] / micro) == 4                                # (d)
         assert r["skipped_after_1"] == 0 and r["skipped_after_2"] == 1 and not r["moved_in_2"]   # (e)
     assert all(math.isfinite(x) for x in r0["local_loss"])  # rank 0's own loss was finite: it skipped for rank 1
+    # (f) the logged stds are TRL's: every row of both ranks, n - 1; A by hand (batch scale, a tied group gets 0)
+    advantages = []
+    for r in (r0, r1):
+        for group in (r["rewards"][:4], r["rewards"][4:]):
+            mean = sum(group) / 4
+            tied = max(group) == min(group)
+            advantages += [0.0 if tied else (x - mean) / (sd + 1e-4) for x in group]
+    for r in (r0, r1):
+        assert r["reward_std"] == pytest.approx(sd, rel=1e-9)
+        assert r["advantage_std"] == pytest.approx(statistics.stdev(advantages), rel=1e-6)

@@ -11,7 +11,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from helpers import FAST, ROOT, free_port, make_run, run_cli, spawn, tg, tiny
+from helpers import FAST, ROOT, free_ports, make_run, run_cli, spawn, tg, tiny
 
 SAMPLE = os.path.join(ROOT, "tests", "data", "gsm8k_sample.jsonl")
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -96,7 +96,7 @@ def two_rank_runs():
                      ("main", [*common, "--stop_after", "2", "--save_dir", os.path.join(where, "b")], ".after.json"),
                      ("main", [*common, "--resume", "auto", "--save_dir", os.path.join(where, "b")], None)]
         try:
-            spawn(two_rank_jobs, out, jobs, [free_port() for _ in jobs], timeout=300)
+            spawn(two_rank_jobs, out, jobs, free_ports(len(jobs)), timeout=300)
             _TWO_RANKS["out"] = out
         except Exception as e:
             _TWO_RANKS["error"] = e
