@@ -12,8 +12,8 @@ What this file leaves out, on purpose, to stay small:
 - No vLLM. Rollouts use `model.generate` on the policy itself and sample the full distribution at
   --temperature, which is the distribution the ratio scores. There is no top-k or top-p.
 - No FSDP. Every rank holds the whole model (DDP), so a model must fit on one GPU.
-- Every row is trained, also a row whose advantage is 0. It adds exactly 0 to the gradient, but skipping it
-  would make the ranks agree on how many micro-batches to run (the notebook shows the idea).
+- Every row is trained, also a row whose advantage is 0. With beta = 0 and no entropy bonus it adds exactly 0 to
+  the gradient, but skipping it would require the ranks to agree on how many micro-batches to run.
 - No per-sample reward form. A reward function has TRL's batched signature.
 """
 
@@ -74,7 +74,7 @@ class Args:
     mask_truncated_completions: int = flag(0, "1: a completion without EOS trains no token", (0, 1))
     # Objective.
     beta: float = flag(0.0, "k3 KL coefficient; > 0 keeps a frozen reference model")
-    epsilon: float = flag(0.2, "lower clip, the ratio is kept >= 1 - epsilon")
+    epsilon: float = flag(0.2, "lower clip: the ratio is clipped at 1 - epsilon")
     epsilon_high: float = flag(-1.0, "upper clip (cispo: the weight cap); -1: epsilon (cispo: 5.0)")
     num_iterations: int = flag(1, "mu, updates per rollout")
     scale_rewards: str = flag("group", "advantage divisor: group std, batch std, or none", ("group", "batch", "none"))
@@ -239,7 +239,7 @@ def grpo_step(args, trainer, prompt_rows, state):
             # On-policy the old log-probs are logp.detach(): the ratio is 1, and its gradient is dlogp.
             old = logps.detach() if old_logps is None else old_logps[part]
             ref = None if ref_logps is None else ref_logps[part]
-            # 8-9. The clipped objective plus beta times the KL, summed over tokens and divided by D.
+            # 8-9. The per-token objective plus beta times the KL, normalized as --loss_type says (stage 9).
             loss, stats = grpo_loss(logps, old, advantages[part], m, loss_type=args.loss_type,
                                     epsilon=args.epsilon, epsilon_high=args.epsilon_high, divisor=D,
                                     ref_logps=ref, beta=args.beta,
@@ -811,7 +811,7 @@ def frozen_copy(policy, dtype):
 
 def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
     """The built-in task only: supervised steps on the answers, so that the tiny model earns some reward.
-    Every step takes --batch_size rows, split over the ranks, so any number of ranks gets the same warm start."""
+    Every step takes --batch_size rows, split over the ranks, so any number of ranks trains on the same rows."""
     if args.batch_size < world:
         raise TrainerError(f"the supervised warm-up shares --batch_size {args.batch_size} rows among {world} "
                            f"ranks, one at least each: use --batch_size >= {world} or --sft_warmup_steps 0")
@@ -893,7 +893,7 @@ def reverse_reward(completions, answer, **kwargs):
 
 
 # compare_numbers, the built-in task for a real instruct model: the larger of two 2-digit numbers, alone.
-# SmolLM2-135M-Instruct, greedy, answers 1% of the held-out questions right and in the asked form, yet one of 8
+# SmolLM2-135M-Instruct, greedy, puts the right number first for 1% of the held-out questions, yet one of 8
 # samples is right for about 65% of the prompts: a signal GRPO turns into the answer.
 def make_compare_task(eval_size, seed=1234):
     """Held out: the first eval_size pairs of a seeded shuffle, trained on in neither order."""
