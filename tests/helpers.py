@@ -143,6 +143,28 @@ def dist_suite():
     return pathlib.Path(_SUITE["out"])
 
 
+def rollout_with_scores(model, tok, prompts, max_gen_len=6, temperature=1.0, do_sample=True, seed=0,
+                        static_cache=False):
+    """tg.rollout on these prompt rows, with generate's own processed scores [rows, T, V] captured (the trainer's
+    generation config, plus output_scores). Returns input ids, attention mask, completion ids, mask, scores."""
+    real, captured = model.generate, {}
+
+    def generate(**kw):
+        kw["generation_config"].output_scores = kw["generation_config"].return_dict_in_generate = True
+        out = real(**kw)
+        captured["scores"] = torch.stack(out.scores, 1)
+        return out.sequences
+    model.generate = generate
+    ids, am, _ = tg.tokenize_prompts(tok, prompts, 256, "cpu")
+    torch.manual_seed(seed)
+    try:
+        comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=max_gen_len, do_sample=do_sample,
+                                   temperature=temperature, static_cache=static_cache)
+    finally:
+        del model.generate
+    return torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp, mask, captured["scores"]
+
+
 def tiny(use_moe=0, seed=0):
     torch.manual_seed(seed)
     tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")

@@ -7,31 +7,20 @@ import statistics
 import pytest
 import torch
 
+import helpers
 from helpers import FAST, dist_suite, tg, tiny
 from test_real_path import REAL, SAMPLE, load_final, save_tiny
 
 
 def rollout_with_scores(model, tok, generation_config, temperature, do_sample=True, seed=0, prompts=None,
                         max_gen_len=6):
-    """tg.rollout with generate's own processed scores captured (the trainer's config, plus output_scores)."""
-    for k, v in generation_config.items():   # what a checkpoint's generation_config.json may carry
+    """helpers.rollout_with_scores, 4 samples per prompt, under what a checkpoint's generation_config.json may
+    carry (the rollout must set it aside)."""
+    for k, v in generation_config.items():
         setattr(model.generation_config, k, v)
-    real, captured = model.generate, {}
-
-    def generate(**kw):
-        kw["generation_config"].output_scores = kw["generation_config"].return_dict_in_generate = True
-        out = real(**kw)
-        captured["scores"] = torch.stack(out.scores, 1)                           # [rows, T, V]
-        return out.sequences
-    model.generate = generate
     # prompts of different lengths: left padding, so the re-forward's position ids must be generate's
     prompts = [p for p in (prompts or ("abc=", "hgfedcba=", "ba=", "cabde=")) for _ in range(4)]
-    ids, am, _ = tg.tokenize_prompts(tok, prompts, 256, "cpu")
-    torch.manual_seed(seed)
-    comp, mask, *_ = tg.rollout(model, ids, am, tok, max_gen_len=max_gen_len, do_sample=do_sample,
-                               temperature=temperature)
-    del model.generate
-    return torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp, mask, captured["scores"]
+    return helpers.rollout_with_scores(model, tok, prompts, max_gen_len, temperature, do_sample, seed)
 
 
 CHECKPOINT_GENERATION_CONFIG = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "min_new_tokens": 4}

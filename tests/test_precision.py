@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dist_workers
-from helpers import FAST, make_run, spawn, step_on_batch, tg, tiny
+from helpers import FAST, make_run, rollout_with_scores, spawn, step_on_batch, tg, tiny
 
 
 def adam_step_bound(t, beta1=0.9, beta2=0.999):
@@ -84,8 +84,11 @@ def test_the_frozen_reference_computes_what_the_policy_computes_at_equal_weights
         assert not torch.equal(a, tg.completion_logps(model, ids, am, 4)[0])
 
 
+VARIED_PROMPTS = [p for p in ("abc=", "hgfedcba=", "ba=", "cabde=") for _ in range(2)]
+
+
 def varied_prompts(tok):
-    return tg.tokenize_prompts(tok, [p for p in ("abc=", "hgfedcba=", "ba=", "cabde=") for _ in range(2)], 64, "cpu")
+    return tg.tokenize_prompts(tok, VARIED_PROMPTS, 64, "cpu")
 
 
 def test_static_cache_greedy_tokens_equal_the_dynamic_caches():
@@ -113,22 +116,12 @@ def test_static_cache_rollout_sees_the_weights_of_the_current_step(compiled, mon
         monkeypatch.setattr(transformers, "GenerationConfig", Compiled)
     import torch._dynamo.utils as dynamo_utils
     graphs = [dynamo_utils.counters["stats"]["unique_graphs"]]
-    ids, am, _ = varied_prompts(tok)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(2):   # rollout, update, rollout: the second must sample from the updated weights
-        scores, real = {}, model.generate
-
-        def generate(**kw):
-            kw["generation_config"].output_scores = kw["generation_config"].return_dict_in_generate = True
-            out = real(**kw)
-            scores["s"] = torch.stack(out.scores, 1)
-            return out.sequences
-        model.generate = generate
-        torch.manual_seed(step)
-        comp, mask, *_ = tg.rollout(model, ids, am, tok, max_gen_len=6, static_cache=True)
-        del model.generate
-        logps, _, _ = tg.completion_logps(model, torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp.shape[1])
-        sampler = torch.log_softmax(scores["s"].float(), -1).gather(-1, comp[..., None]).squeeze(-1)
+        input_ids, attn, comp, mask, scores = rollout_with_scores(model, tok, VARIED_PROMPTS, seed=step,
+                                                                  static_cache=True)
+        logps, _, _ = tg.completion_logps(model, input_ids, attn, comp.shape[1])
+        sampler = torch.log_softmax(scores.float(), -1).gather(-1, comp[..., None]).squeeze(-1)
         m = mask.bool()
         torch.testing.assert_close(logps[m], sampler[m], rtol=0, atol=1e-5)
         (-logps[m].sum()).backward()

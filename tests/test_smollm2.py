@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import tg
+from helpers import rollout_with_scores, tg
 
 
 def gguf_path():
@@ -92,25 +92,6 @@ def test_chat_row_renders_through_the_real_template(smol):
     assert not {pair(r) for r in held_out} & {pair(r) for r in train} and len(held_out) == 200
 
 
-def rollout_with_scores(model, tok, prompts, max_gen_len):
-    """tg.rollout, 2 samples per prompt, with generate's own processed scores captured (output_scores)."""
-    real, captured = model.generate, {}
-
-    def generate(**kw):
-        kw["generation_config"].output_scores = kw["generation_config"].return_dict_in_generate = True
-        out = real(**kw)
-        captured["scores"] = torch.stack(out.scores, 1)                           # [rows, T, V]
-        return out.sequences
-    model.generate = generate
-    ids, am, _ = tg.tokenize_prompts(tok, [p for p in prompts for _ in range(2)], 256, "cpu")
-    torch.manual_seed(0)
-    try:
-        comp, mask, _ = tg.rollout(model, ids, am, tok, max_gen_len=max_gen_len)
-    finally:
-        del model.generate
-    return torch.cat([ids, comp], 1), torch.cat([am, mask], 1), comp, mask, captured["scores"]
-
-
 @pytest.mark.parametrize("dtype, atol", [(torch.float64, 1e-5), (torch.float32, 1e-4)])
 def test_generate_log_probs_equal_the_re_forward_on_real_weights(smol, dtype, atol):
     # The cached one-token decode and the whole-sequence re-forward sum in different orders: on 30 real layers
@@ -122,7 +103,8 @@ def test_generate_log_probs_equal_the_re_forward_on_real_weights(smol, dtype, at
     args = tg.parse_args(["--model_name_or_path", GGUF, "--dataset", "compare_numbers"])
     rows = tg.make_compare_task(8)[1]
     prompts = [tg.render_prompt(tok, rows[0], args), "Hi"]          # different lengths: left padding
-    input_ids, attn, comp, mask, scores = rollout_with_scores(model, tok, prompts, max_gen_len=6)
+    # 2 samples per prompt
+    input_ids, attn, comp, mask, scores = rollout_with_scores(model, tok, [p for p in prompts for _ in range(2)])
     assert (attn[:, 0] == 0).any() and mask.sum() >= 8
     T = comp.shape[1]
     sampler = torch.log_softmax(scores.double(), -1).gather(-1, comp[..., None]).squeeze(-1)
