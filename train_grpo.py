@@ -59,8 +59,6 @@ class Args:
     model_name_or_path: str = flag("", "hub name, local folder or .gguf file; empty: a tiny model built here")
     dataset: str = flag("", "compare_numbers, gsm8k, a hub dataset or a .jsonl/.json/.parquet file; "
                             "empty: the built-in reversal task")
-    question_field: str = flag("question", "a dataset column sent with GSM8K's system prompt")
-    answer_field: str = flag("answer", "the column of the reference answer the task's rewards read")
     reward_funcs: str = flag("", "your rewards, comma-separated: file.py:name or a built-in name")
     reward_weights: str = flag("", "comma-separated weights of the rewards; empty: the task's own, or 1 each")
     trust_remote_code: int = flag(0, "1: let from_pretrained run the model repository's code", (0, 1))
@@ -175,7 +173,7 @@ def grpo_step(args, trainer, prompt_rows, state):
 
     # 1. Prompts. Each one is repeated G times, so the G rows of a group sit side by side.
     rows = [row for row in prompt_rows for _ in range(G)]
-    texts = [render_prompt(tokenizer, row, args) for row in prompt_rows]
+    texts = [render_prompt(tokenizer, row) for row in prompt_rows]
     prompt_ids, prompt_mask, prompts_cut = tokenize_prompts(tokenizer, texts, args.max_prompt_len, device, G)
 
     # 2. Rollout. The bare policy samples without a graph; the mask keeps each completion up to its first EOS.
@@ -190,7 +188,7 @@ def grpo_step(args, trainer, prompt_rows, state):
     completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
     prompts = []
     for row, text in zip(prompt_rows, texts):
-        prompts += [reward_prompt(row, text, args) for _ in range(G)]
+        prompts += [reward_prompt(row, text) for _ in range(G)]
     rewards = compute_rewards(trainer.reward_fns, trainer.weights, prompts, completions, ids, rows)
 
     # 4. Advantages: each reward against its group's.
@@ -850,14 +848,14 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
     total = 0.0
     for start in range(0, len(mine), batch):
         rows = mine[start:start + batch]
-        texts = [render_prompt(tokenizer, row, args) for row in rows]
+        texts = [render_prompt(tokenizer, row) for row in rows]
         ids, prompt_mask, _ = tokenize_prompts(tokenizer, texts, args.max_prompt_len, device)
         with autocast(args, device):
             completion_ids, mask, _ = rollout(policy, ids, prompt_mask, tokenizer, max_gen_len=args.max_gen_len,
                                               do_sample=False, static_cache=torch.device(device).type == "cuda")
         token_ids = completion_token_ids(completion_ids, mask)
         completions = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-        prompts = [reward_prompt(row, text, args) for row, text in zip(rows, texts)]
+        prompts = [reward_prompt(row, text) for row, text in zip(rows, texts)]
         total += sum(score(prompts, completions, token_ids, rows))
     total, count = world_sum(total, len(mine), device=device)
     return total / max(count, 1)
@@ -1008,14 +1006,6 @@ def load_reward_funcs(spec):
     return fns
 
 
-def answer_from(fn, column):
-    """A task reward that reads its reference answer from another column than `answer`."""
-    def reward(completions, **columns):
-        return fn(completions, answer=columns[column])
-    reward.__name__ = fn.__name__
-    return reward
-
-
 def load_task(args, world):
     """Train rows, held-out rows, the reward functions and weights, and the eval's score function and name."""
     if not args.dataset:
@@ -1025,8 +1015,6 @@ def load_task(args, world):
     else:
         train_rows, eval_rows = load_rows(args)
     reward_fns, weights = task_rewards(args)
-    if args.answer_field != "answer" and args.dataset not in ("", "compare_numbers"):
-        reward_fns = [answer_from(fn, args.answer_field) for fn in reward_fns]
     is_correct = reward_fns[0]
     if args.reward_funcs:
         reward_fns = load_reward_funcs(args.reward_funcs)
@@ -1069,14 +1057,12 @@ def load_rows(args):
         raise TrainerError(f"--dataset {name}: could not load it ({one_line(e)})") from None
     train = splits["train"] if "train" in splits else splits[list(splits)[0]]
     columns = train.column_names
-    if "prompt" in columns and args.question_field not in columns:
-        needed = ["prompt"]
-    else:
-        needed = [args.question_field, args.answer_field]
+    # A row gives its prompt, or a question and an answer as GSM8K does.
+    needed = ["prompt"] if "prompt" in columns else ["question", "answer"]
     missing = [c for c in needed if c not in columns]
     if missing:
         raise TrainerError(f"--dataset {name}: no column {', '.join(missing)} (it has {', '.join(columns)}); "
-                           "set --question_field and --answer_field, or give a 'prompt' column")
+                           "give a 'prompt' column, or 'question' and 'answer'")
     if len(train) == 0:
         raise TrainerError(f"--dataset {name}: the dataset is empty")
     rows = [dict(r) for r in train]
@@ -1087,20 +1073,20 @@ def load_rows(args):
     return rows[n_eval:], rows[:n_eval]
 
 
-def reward_prompt(row, text, args):
+def reward_prompt(row, text):
     """The prompt a reward function gets: the dataset's own, chat messages as messages, else the text the policy
     read. It is a copy, so a reward that edits its prompt never changes the training row."""
-    if args.question_field in row or "prompt" not in row:
+    if "prompt" not in row:
         return text
     return copy.deepcopy(row["prompt"])
 
 
-def render_prompt(tokenizer, row, args):
-    """A row's prompt as the policy reads it: a question with GSM8K's system prompt, a text prompt as it is, or
-    chat messages through the chat template with a new assistant turn (add_generation_prompt, as TRL)."""
+def render_prompt(tokenizer, row):
+    """A row's prompt as the policy reads it: a text prompt as it is, chat messages through the chat template
+    with a new assistant turn (add_generation_prompt, as TRL), or a question with GSM8K's system prompt."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    if args.question_field in row:
-        question = row[args.question_field]
+    if "prompt" not in row:
+        question = row["question"]
         if not has_template:
             return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
         messages = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question}]

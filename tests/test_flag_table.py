@@ -9,7 +9,6 @@ A row says how the flag's effect is seen:
 Flags that select (choices) have a row per choice where choices change the step. The flags a single step cannot
 show are tested where they act:
   model_name_or_path, dataset        test_real_path::test_two_rank_run_on_saved_model_and_gsm8k_file
-  question_field, answer_field       test_real_path::test_parquet_with_other_field_names (a missing column fails)
   reward_funcs                       test_custom::test_reward_file_and_prompt_dataset_with_extra_columns
   trust_remote_code, sft_warmup_steps, sft_learning_rate, seed       below
   save_dir, save_interval, resume, stop_after                       test_user_paths::test_tensorboard_after_a_resume..

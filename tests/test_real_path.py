@@ -172,13 +172,13 @@ def test_moe_checkpoint_and_bf16(tmp_path):
     assert math.isfinite(row["aux_loss"]) and row["aux_loss"] > 0
 
 
-def test_parquet_with_other_field_names(tmp_path, dense_dir):
+def test_parquet_file_with_gsm8k_columns(tmp_path, dense_dir):
     import datasets
     rows = [json.loads(l) for l in open(SAMPLE)]
-    datasets.Dataset.from_dict({"problem": [r["question"] for r in rows], "solution": [r["answer"] for r in rows]}
+    datasets.Dataset.from_dict({"question": [r["question"] for r in rows], "answer": [r["answer"] for r in rows]}
                                ).to_parquet(str(tmp_path / "data.parquet"))
     tg.main([*REAL, "--model_name_or_path", dense_dir, "--dataset", str(tmp_path / "data.parquet"), "--max_steps",
-             "1", "--question_field", "problem", "--answer_field", "solution", "--save_dir", str(tmp_path / "run")])
+             "1", "--save_dir", str(tmp_path / "run")])
     assert [json.loads(l)["step"] for l in open(tmp_path / "run" / "metrics.jsonl")] == [1]
 
 

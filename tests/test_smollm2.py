@@ -74,7 +74,7 @@ def test_chat_row_renders_through_the_real_template(smol):
     args = tg.parse_args(["--model_name_or_path", GGUF, "--dataset", "compare_numbers"])
     train, held_out = tg.make_compare_task(args.eval_size)
     row = train[0]
-    text = tg.render_prompt(tok, row, args)
+    text = tg.render_prompt(tok, row)
     question = row["prompt"][0]["content"]
     # SmolLM2's template, written out by hand: its default system turn, the user turn, the assistant's opening
     assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -102,7 +102,7 @@ def test_generate_log_probs_equal_the_re_forward_on_real_weights(smol, dtype, at
     model = copy.deepcopy(plain).to(dtype)
     args = tg.parse_args(["--model_name_or_path", GGUF, "--dataset", "compare_numbers"])
     rows = tg.make_compare_task(8)[1]
-    prompts = [tg.render_prompt(tok, rows[0], args), "Hi"]          # different lengths: left padding
+    prompts = [tg.render_prompt(tok, rows[0]), "Hi"]          # different lengths: left padding
     # 2 samples per prompt
     input_ids, attn, comp, mask, scores = rollout_with_scores(model, tok, [p for p in prompts for _ in range(2)])
     assert (attn[:, 0] == 0).any() and mask.sum() >= 8

@@ -89,13 +89,13 @@ def test_rows_reach_rewards_as_the_dataset_has_them_and_your_rewards_weigh_one_e
         " + '\\n')\n"
         "    return [1.0] * len(completions)\n"
         "def two(completions, **kwargs):\n    return [2.0] * len(completions)\n")
-    tg.main([*REAL, "--model_name_or_path", model_dir, "--dataset", str(data), "--answer_field", "answer2",
+    tg.main([*REAL, "--model_name_or_path", model_dir, "--dataset", str(data),
              "--reward_funcs", f"{tmp_path / 'r.py'}:seen,{tmp_path / 'r.py'}:two", "--max_steps", "1",
              "--save_dir", str(tmp_path / "run")])
     calls = [json.loads(l) for l in open(log)]
     assert calls and all(c["answer"][0] == "int" and c["gold"][0] == "list" and c["answer2"][0] == "str"
                          for c in calls)
-    assert all(c["answer"][1] == int(c["answer2"][1]) for c in calls)  # --answer_field overwrote nothing
+    assert all(c["answer"][1] == int(c["answer2"][1]) for c in calls)
     row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     assert row["reward"] == 1.0 * 1.0 + 1.0 * 2.0                    # weights 1.0 each, not [1, 0.1]
 
@@ -211,7 +211,7 @@ def bos_tokenizer():
 
 def test_a_plain_prompt_gets_its_bos_and_a_templated_one_none_twice():
     tok = bos_tokenizer()
-    chat = tg.render_prompt(tok, {"prompt": [{"role": "user", "content": "ab"}]}, tg.Args())
+    chat = tg.render_prompt(tok, {"prompt": [{"role": "user", "content": "ab"}]})
     assert chat == "<bos><|user|>ab<|assistant|>"
     ids, am, _ = tg.tokenize_prompts(tok, ["ca=", chat, "cx="], 64, "cpu")
     # by hand: <pad> 0, <bos> 2, <unk> 3, <|user|> 4, <|assistant|> 5, a 6, b 7, c 8, '=' 9; left-padded.
@@ -219,6 +219,14 @@ def test_a_plain_prompt_gets_its_bos_and_a_templated_one_none_twice():
     assert ids.tolist() == [[0, 2, 8, 6, 9], [2, 4, 6, 7, 5], [0, 2, 8, 3, 9]]
     assert am.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
 
+
+def test_a_prompt_column_wins_over_a_question_which_gets_gsm8ks_system_prompt():
+    tok = bos_tokenizer()
+    assert tg.render_prompt(tok, {"prompt": "ab", "question": "ignored"}) == "ab"
+    assert tg.reward_prompt({"prompt": "ab", "question": "ignored"}, "rendered") == "ab"
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}"
+    assert tg.render_prompt(tok, {"question": "1 + 1?"}) == f"[system: {tg.GSM8K_SYSTEM_PROMPT}][user: 1 + 1?]"
+    assert tg.reward_prompt({"question": "1 + 1?"}, "rendered") == "rendered"
 
 
 def test_a_cut_prompt_keeps_its_bos_and_loses_content_instead():
