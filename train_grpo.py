@@ -278,26 +278,30 @@ def grpo_step(args, trainer, prompt_rows, state):
             state.c, state.world_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
             coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
 
-    # 14. Metrics over all ranks. With mu > 1 the loss terms are the last update's.
+    # 14. Metrics over all ranks. Every rank has B*G rows, so the world's mean is the sum of the rank means over
+    # the world size. With mu > 1 the loss terms are the last update's.
     grouped = rewards.view(-1, G)
-    ties = (grouped.amax(1) == grouped.amin(1)).float().mean()
-    world = trainer.world
-    totals = world_sum(rewards.mean(), completion_len.mean(), no_eos.float().mean(), ties, sums["loss"],
-                       sums["policy_loss"], sums["kl"], sums["clipped"], sums["aux"], prompts_cut, device=device)
-    r, length, no_eos_frac, ties, loss, policy_loss, kl, clipped, aux, cut = totals
+    rank_means = {"reward": rewards.mean(), "completion_len": completion_len.mean(),
+                  "truncated_frac": no_eos.float().mean(),
+                  "frac_reward_zero_std": (grouped.amax(1) == grouped.amin(1)).float().mean(),
+                  "loss": sums["loss"], "policy_loss": sums["policy_loss"], "aux_loss": sums["aux"]}
+    world_totals = world_sum(*rank_means.values(), device=device)
+    record = {}
+    for name, total in zip(rank_means, world_totals):
+        record[name] = total / trainer.world
+    if not is_moe(policy):
+        del record["aux_loss"]
+    # The KL and the clipped tokens are token sums, so they are divided by N, the step's masked tokens.
+    kl_sum, clipped, tokens, cut = world_sum(sums["kl"], sums["clipped"], completion_len.sum(), prompts_cut,
+                                             device=device)
     step_time = time.time() - started
     # The stds are TRL's, over every row of every rank, with n - 1.
-    record = {"reward": r / world, "reward_std": world_std(rewards, device),
-              "frac_reward_zero_std": ties / world, "advantage_std": world_std(advantages, device),
-              "loss": loss / world, "policy_loss": policy_loss / world, "kl": kl / max(N, 1.0),
-              "entropy": state.world_entropy, "entropy_coef": state.c, "entropy_coef_applied": alpha,
-              "clip_ratio": clipped / max(N, 1.0), "completion_len": length / world,
-              "truncated_frac": no_eos_frac / world, "grad_norm": grad_norm.item(), "lr": lr,
-              "skipped_steps": state.skipped_steps, "truncated_prompts": int(cut), "step_time": step_time,
-              "generate_time": generate_time, "tokens_per_s": length * len(rows) / step_time,
-              "peak_mem_gib": peak_memory_gib(device)}
-    if is_moe(policy):
-        record["aux_loss"] = aux / world
+    record.update({"kl": kl_sum / max(N, 1.0), "clip_ratio": clipped / max(N, 1.0),
+                   "reward_std": world_std(rewards, device), "advantage_std": world_std(advantages, device),
+                   "entropy": state.world_entropy, "entropy_coef": state.c, "entropy_coef_applied": alpha,
+                   "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": state.skipped_steps,
+                   "truncated_prompts": int(cut), "step_time": step_time, "generate_time": generate_time,
+                   "tokens_per_s": tokens / step_time, "peak_mem_gib": peak_memory_gib(device)})
     if trainer.scaler.is_enabled():
         record["loss_scale"] = trainer.scaler.get_scale()
     return record
