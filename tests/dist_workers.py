@@ -264,7 +264,7 @@ def world_quantities(rank, world, out_dir):
     with patched(**stand_ins):
         record = tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
         out = {"world_entropy": state.world_entropy, "skipped_after_1": state.skipped_steps,
-               "reward_std": record["reward_std"], "advantage_std": record["advantage_std"]}
+               "record": {k: v for k, v in record.items() if isinstance(v, float)}}
         before = [p.detach().clone() for p in model.parameters()]
         step[0] = 2
         tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)

@@ -247,7 +247,7 @@ def test_every_world_quantity_of_the_step_is_the_worlds():
     """Each number grpo_step reduces over the ranks, against a hand computation from both ranks' data (which
     differ, so a number computed on one rank does not pass): (a) the batch std, (b) N, (c) the world entropy over
     every row's tokens, (d) the micro-batch count S, (e) the skip decision, which DDP's all-reduce shares,
-    (f) the logged reward and advantage stds."""
+    (f) the logged reward and advantage stds, (g) the logged means over every row of both ranks."""
     r0, r1 = [torch.load(dist_suite() / f"world_{r}.pt", weights_only=True) for r in (0, 1)]   # world_quantities
     sd = statistics.stdev(r0["rewards"] + r1["rewards"])
     assert all(sd != pytest.approx(statistics.stdev(r["rewards"])) for r in (r0, r1))          # the data tell
@@ -272,5 +272,16 @@ def test_every_world_quantity_of_the_step_is_the_worlds():
             tied = max(group) == min(group)
             advantages += [0.0 if tied else (x - mean) / (sd + 1e-4) for x in group]
     for r in (r0, r1):
-        assert r["reward_std"] == pytest.approx(sd, rel=1e-9)
-        assert r["advantage_std"] == pytest.approx(statistics.stdev(advantages), rel=1e-6)
+        assert r["record"]["reward_std"] == pytest.approx(sd, rel=1e-9)
+        assert r["record"]["advantage_std"] == pytest.approx(statistics.stdev(advantages), rel=1e-6)
+    # (g) by hand: rank 0 has 1 tied group of 2, rank 1 none; lengths are the masks' row sums; the loss is each
+    # rank's sum over its 4 micro-batches of step 1, averaged over the 2 ranks as DDP averages the gradients
+    lengths = [[6, 5, 4, 3, 6, 2, 1, 6], [2, 2, 3, 1, 4, 6, 1, 3]]
+    world_means = {"reward": statistics.mean(r0["rewards"] + r1["rewards"]), "frac_reward_zero_std": 1 / 4,
+                   "completion_len": statistics.mean(lengths[0] + lengths[1]),
+                   "loss": (sum(r0["local_loss"][:4]) + sum(r1["local_loss"][:4])) / 2}
+    assert r0["record"]["loss"] != pytest.approx(sum(r0["local_loss"][:4]), rel=1e-3)         # the data tell
+    for r in (r0, r1):
+        for key, value in world_means.items():
+            assert r["record"][key] == pytest.approx(value, rel=1e-6), key
+        assert r["record"]["tokens_per_s"] * r["record"]["step_time"] == pytest.approx(N, rel=1e-9)

@@ -220,7 +220,14 @@ def test_a_plain_prompt_gets_its_bos_and_a_templated_one_none_twice():
     assert am.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
 
 
-def test_a_prompt_column_wins_over_a_question_which_gets_gsm8ks_system_prompt():
+def test_a_prompt_column_wins_over_a_question_which_gets_gsm8ks_system_prompt(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "question": f"q{i}"}) + "\n" for i in range(20)))
+    train, held_out = tg.load_rows(tg.Args(dataset=str(data), eval_size=2, model_name_or_path="m"))
+    assert len(train) == 18 and len(held_out) == 2       # a 'prompt' row needs no 'answer'
+    data.write_text("".join(json.dumps({"question": f"q{i}"}) + "\n" for i in range(20)))
+    with pytest.raises(tg.TrainerError, match="no column answer"):
+        tg.load_rows(tg.Args(dataset=str(data), eval_size=2, model_name_or_path="m"))
     tok = bos_tokenizer()
     assert tg.render_prompt(tok, {"prompt": "ab", "question": "ignored"}) == "ab"
     assert tg.reward_prompt({"prompt": "ab", "question": "ignored"}, "rendered") == "ab"
