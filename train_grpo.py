@@ -12,8 +12,8 @@ What this file leaves out, on purpose, to stay small:
 - No vLLM. Rollouts use `model.generate` on the policy itself and sample the full distribution at
   --temperature, which is the distribution the ratio scores. There is no top-k or top-p.
 - No FSDP. Every rank holds the whole model (DDP), so a model must fit on one GPU.
-- Every row is trained, also a row whose advantage is 0. With beta = 0 and no entropy bonus it adds exactly 0 to
-  the gradient, but skipping it would require the ranks to agree on how many micro-batches to run.
+- Every row is trained, also a row whose advantage is 0. With beta = 0, no entropy bonus and a dense model it
+  adds exactly 0 to the gradient, but skipping it would require the ranks to agree on how many micro-batches to run.
 - No per-sample reward form. A reward function has TRL's batched signature.
 """
 
@@ -147,7 +147,7 @@ class TrainState:
 
 @dataclass
 class Trainer:
-    """What grpo_step trains with. `model` is the DDP wrapper under torchrun, else the policy itself."""
+    """What grpo_step trains with. `model` is the DDP wrapper when there are several processes, else the policy."""
     model: torch.nn.Module
     ref_model: object        # a frozen copy of the policy as GRPO starts, only when beta > 0
     optimizer: object
@@ -161,7 +161,8 @@ class Trainer:
 
 
 def grpo_step(args, trainer, prompt_rows, state):
-    """One step on this rank's B prompts. It updates `state` and returns the step's metrics, over all ranks."""
+    """One step on this rank's B prompts. It updates `state` and returns the step's metrics, over all ranks
+    except the timings and the memory, which are this rank's."""
     started = time.time()
     reset_peak_memory(trainer.device)
     device = torch.device(trainer.device)
