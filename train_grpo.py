@@ -30,6 +30,7 @@ import re
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -1547,6 +1548,11 @@ def main(argv=None):
     rank, world, device = setup_distributed(args)
     try:
         return train(args, rank, world, device)
+    except BaseException as e:
+        # The error's traceback holds train's frame, and so the DDP wrapper. It must be freed while its process
+        # group exists: freed after, it destroys the gloo group while holding the GIL, which can hang the rank.
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """Functions run in 2 spawned gloo processes (they must live in an importable module)."""
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -35,7 +36,11 @@ def patched(**stand_ins):
 
 def close_group():
     """Every worker's last act, as the trainer's own end (train: barrier, then main destroys the group):
-    no rank tears the group down while the other is still in it."""
+    no rank tears the group down while the other is still in it. The worker's DDP wrapper must be gone first, as
+    the trainer's is: freed after destroy_process_group, it destroys the gloo group while holding the GIL, and
+    gloo's thread, which needs the GIL to free its last work, never joins (this suite hung there once)."""
+    gc.collect()
+    assert not any(isinstance(o, DDP) for o in gc.get_objects()), "del the worker's DDP wrapper first"
     dist.barrier()
     dist.destroy_process_group()
 
@@ -53,6 +58,27 @@ def train(rank, world, argv, out_dir, bypass_ddp=False, tag="train"):
     torch.save({"params": {k: v.clone() for k, v in res["model"].state_dict().items()}, "prompts": prompts_seen,
                 "entropy_coef": res["c"], "entropy_coef_applied": res["alpha"]},
                os.path.join(out_dir, f"{tag}_{rank}.pt"))
+
+
+def error_teardown(rank, world, out_dir, argv):
+    """The trainer's CLI on this rank with a reward that raises. Saves its exit status and whether a DDP wrapper
+    was still alive when main destroyed the process group (the error's traceback holds train's frame)."""
+    reward_file = os.path.join(out_dir, f"boom_{rank}.py")
+    with open(reward_file, "w") as f:
+        f.write("def boom(completions, **kwargs):\n    raise ValueError('no')\n")
+    alive = []
+    real = dist.destroy_process_group
+
+    def destroy_process_group():
+        gc.collect()
+        alive.append(any(isinstance(o, DDP) for o in gc.get_objects()))
+        real()
+    dist.destroy_process_group = destroy_process_group
+    try:
+        status = tg.cli(argv + ["--reward_funcs", f"{reward_file}:boom"])
+    finally:
+        dist.destroy_process_group = real
+    torch.save({"status": status, "ddp_alive_at_destroy": alive}, os.path.join(out_dir, f"teardown_{rank}.pt"))
 
 
 # different data and different token counts per rank: rank 0 has 10 tokens of entropy ~0.1, rank 1 has 2 of ~0.5
@@ -93,6 +119,7 @@ def moe_empty_expert(rank, world, out_dir):
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     torch.save({"params": model.state_dict(), "used": sorted(used), "router_grad": router_grad},
                os.path.join(out_dir, f"moe_{rank}.pt"))
+    del ddp
     close_group()
 
 
@@ -132,6 +159,7 @@ def loop_step_grads(rank, world, out_dir):
         out[loss_type] = {"grads": seen["grads"], "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                           "comp": comp, "mask": mask, "answers": [r["answer"] for r in rows for _ in range(4)]}
     torch.save(out, os.path.join(out_dir, f"loop_{rank}.pt"))
+    del ddp, run
     close_group()
 
 
@@ -206,6 +234,7 @@ def fp16_skip(rank, world, out_dir, mode="ddp"):
         out["skipped_steps"].append(state.skipped_steps)
     out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
     torch.save(out, os.path.join(out_dir, f"fp16_{mode}_{rank}.pt"))
+    del wrapped, run
     close_group()
 
 
@@ -272,4 +301,5 @@ def world_quantities(rank, world, out_dir):
                skipped_after_2=state.skipped_steps, rewards=rewards.tolist(), tokens=mask.sum().item(),
                rows=mask.shape[0], ent_sum=(ent * mask).sum().item(), ent_count=mask.sum().item())
     torch.save(out, os.path.join(out_dir, f"world_{rank}.pt"))
+    del run
     close_group()

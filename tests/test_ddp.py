@@ -41,6 +41,13 @@ def test_forward_through_model_module_makes_ranks_drift():
     assert not identical(r0["params"], r1["params"])
 
 
+def test_an_error_under_ddp_frees_the_wrapper_before_the_process_group():
+    # Freed after destroy_process_group, the DDP wrapper would destroy the gloo group holding the GIL, which can hang.
+    for r in (0, 1):
+        teardown = torch.load(dist_suite() / f"teardown_{r}.pt", weights_only=True)
+        assert teardown == {"status": 1, "ddp_alive_at_destroy": [False]}
+
+
 def test_moe_step_with_an_expert_that_gets_no_tokens():
     out = dist_suite()
     r0, r1 = [torch.load(out / f"moe_{r}.pt", weights_only=True) for r in (0, 1)]
