@@ -106,7 +106,7 @@ class Args:
     dtype: str = flag("float32", "compute dtype; weights and AdamW state stay float32",
                       ("float32", "bfloat16", "float16"))
     device: str = flag("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
-    stop_after: int = flag(0, "stop after this step as if interrupted; 0: run to --max_steps")
+    stop_after: int = flag(0, "stop after this step and its checkpoint; 0: run to --max_steps")
     report_to: str = flag("none", "also send each step's metrics here", ("none", "wandb", "tensorboard"))
     run_name: str = flag("", "the run's name in wandb or tensorboard; empty: the save_dir's name")
 
@@ -575,7 +575,8 @@ def entropy_from_logits(logits):
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
-# The largest tensor of a step is one chunk's fp32 logits [tokens, V], so a chunk is bounded in bytes.
+# The largest activations of a log-prob pass are one chunk's fp32 logits [tokens, V] and their softmax, so a
+# chunk is bounded in bytes.
 LOGITS_BUDGET_MIB = 64
 
 
@@ -975,7 +976,7 @@ def gsm8k_correct_reward(completions, answer, **kwargs):
 
 
 def gsm8k_format_reward(completions, **kwargs):
-    # 1.0 if the completion ends with a line '#### <number>'.
+    # 1.0 if the completion ends with '#### <number>'.
     return [float(re.search(r"####\s*" + NUMBER + r"\s*$", text_of(c).strip()) is not None) for c in completions]
 
 
