@@ -20,6 +20,7 @@ What this file leaves out, on purpose, to stay small:
 import argparse
 import copy
 import dataclasses
+import gc
 import glob
 import importlib.util
 import json
@@ -416,12 +417,16 @@ def compute_rewards(reward_fns, weights, prompts, completions, completion_ids, r
         for i, value in enumerate(values):
             if value is None:
                 continue
-            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = None
+            # float("0.5") would take text, and text is not a reward.
+            if number is None or isinstance(value, (str, bytes)):
                 raise TrainerError(f"reward {fn.__name__} returned {value!r:.40} for sample {i}, not a number")
-            if not math.isfinite(float(value)):
-                raise TrainerError(f"reward {fn.__name__} returned {float(value)} for sample {i}, not a "
-                                   "finite number")
-            rewards[i] += w * float(value)
+            if not math.isfinite(number):
+                raise TrainerError(f"reward {fn.__name__} returned {number} for sample {i}, not a finite number")
+            rewards[i] += w * number
             scored[i] = True
     if not all(scored):
         i = scored.index(False)
@@ -1550,12 +1555,17 @@ def main(argv=None):
     try:
         return train(args, rank, world, device)
     except BaseException as e:
-        # The error's traceback holds train's frame, and so the DDP wrapper. It must be freed while its process
-        # group exists: freed after, it destroys the gloo group while holding the GIL, which can hang the rank.
-        traceback.clear_frames(e.__traceback__)
+        # An error's traceback holds train's frame, and so the DDP wrapper. The wrapper must be freed while its
+        # process group exists: freed after, it destroys the gloo group holding the GIL, which can hang the rank.
+        error = e if dist.is_initialized() else None
+        while error is not None:
+            traceback.clear_frames(error.__traceback__)
+            error = error.__context__
         raise
     finally:
         if dist.is_initialized():
+            # A wrapper caught in a reference cycle is freed now too, before the group goes.
+            gc.collect()
             dist.destroy_process_group()
 
 

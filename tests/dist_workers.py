@@ -60,25 +60,32 @@ def train(rank, world, argv, out_dir, bypass_ddp=False, tag="train"):
                os.path.join(out_dir, f"{tag}_{rank}.pt"))
 
 
-def error_teardown(rank, world, out_dir, argv):
-    """The trainer's CLI on this rank with a reward that raises. Saves its exit status and whether a DDP wrapper
-    was still alive when main destroyed the process group (the error's traceback holds train's frame)."""
+def teardown(rank, world, out_dir, argv, case):
+    """The trainer's CLI on this rank, ending normally with its DDP wrapper caught in a reference cycle
+    (case "cycle"), or with a reward that raises (case "error"; the error's traceback holds train's frame).
+    Saves the exit status and whether a DDP wrapper was alive, uncollected, when main destroyed the group."""
     reward_file = os.path.join(out_dir, f"boom_{rank}.py")
     with open(reward_file, "w") as f:
         f.write("def boom(completions, **kwargs):\n    raise ValueError('no')\n")
     alive = []
-    real = dist.destroy_process_group
+    real_destroy, real_wrap = dist.destroy_process_group, tg.wrap_ddp
 
     def destroy_process_group():
-        gc.collect()
         alive.append(any(isinstance(o, DDP) for o in gc.get_objects()))
-        real()
+        real_destroy()
+
+    def wrap_ddp(model, device):
+        wrapped = real_wrap(model, device)
+        wrapped.cycle = [wrapped]      # a reference cycle: only the garbage collector frees it
+        return wrapped
     dist.destroy_process_group = destroy_process_group
+    extra = ["--reward_funcs", f"{reward_file}:boom"] if case == "error" else []
     try:
-        status = tg.cli(argv + ["--reward_funcs", f"{reward_file}:boom"])
+        with patched(wrap_ddp=wrap_ddp if case == "cycle" else real_wrap):
+            status = tg.cli(argv + extra)
     finally:
-        dist.destroy_process_group = real
-    torch.save({"status": status, "ddp_alive_at_destroy": alive}, os.path.join(out_dir, f"teardown_{rank}.pt"))
+        dist.destroy_process_group = real_destroy
+    torch.save({"status": status, "ddp_alive_at_destroy": alive}, os.path.join(out_dir, f"{case}_{rank}.pt"))
 
 
 # different data and different token counts per rank: rank 0 has 10 tokens of entropy ~0.1, rank 1 has 2 of ~0.5

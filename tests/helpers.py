@@ -131,7 +131,8 @@ def dist_suite():
         jobs = [("train", (run + ["--use_adaptive_entropy", "1", "--entropy_target", "5.0", "--entropy_coef_delta",
                                   "0.001", "--save_dir", os.path.join(out, "run")], out, False, "train")),
                 ("train", (run + ["--save_dir", os.path.join(out, "bypass")], out, True, "bypass")),
-                ("error_teardown", (out, run + ["--save_dir", os.path.join(out, "error")])),
+                ("teardown", (out, run + ["--save_dir", os.path.join(out, "cycle")], "cycle")),
+                ("teardown", (out, run + ["--save_dir", os.path.join(out, "error")], "error")),
                 *((name, (out,)) for name in ("moe_empty_expert", "entropy_world", "batch_std_world",
                                               "loop_step_grads", "warm_up_grads", "world_quantities"))]
         try:

@@ -41,11 +41,12 @@ def test_forward_through_model_module_makes_ranks_drift():
     assert not identical(r0["params"], r1["params"])
 
 
-def test_an_error_under_ddp_frees_the_wrapper_before_the_process_group():
+def test_the_ddp_wrapper_is_freed_before_the_process_group_at_an_end_and_an_error():
     # Freed after destroy_process_group, the DDP wrapper would destroy the gloo group holding the GIL, which can hang.
-    for r in (0, 1):
-        teardown = torch.load(dist_suite() / f"teardown_{r}.pt", weights_only=True)
-        assert teardown == {"status": 1, "ddp_alive_at_destroy": [False]}
+    for case, status in (("cycle", 0), ("error", 1)):
+        for r in (0, 1):
+            teardown = torch.load(dist_suite() / f"{case}_{r}.pt", weights_only=True)
+            assert teardown == {"status": status, "ddp_alive_at_destroy": [False]}, case
 
 
 def test_moe_step_with_an_expert_that_gets_no_tokens():
