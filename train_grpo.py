@@ -580,8 +580,8 @@ def entropy_from_logits(logits):
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
-# The largest activations of a log-prob pass are one chunk's fp32 logits [tokens, V] and their softmax, so a
-# chunk is bounded in bytes.
+# At a real vocabulary, [rows, T, V] logits would be the largest tensor of a step, so a chunk of fp32 logits is
+# bounded in bytes instead.
 LOGITS_BUDGET_MIB = 64
 
 
