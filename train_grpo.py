@@ -287,13 +287,13 @@ def grpo_step(args, trainer, prompt_rows, state):
     rank_means = {"reward": rewards.mean(), "completion_len": completion_len.mean(),
                   "truncated_frac": no_eos.float().mean(),
                   "frac_reward_zero_std": (grouped.amax(1) == grouped.amin(1)).float().mean(),
-                  "loss": sums["loss"], "policy_loss": sums["policy_loss"], "aux_loss": sums["aux"]}
+                  "loss": sums["loss"], "policy_loss": sums["policy_loss"]}
+    if is_moe(policy):
+        rank_means["aux_loss"] = sums["aux"]
     world_totals = world_sum(*rank_means.values(), device=device)
     record = {}
     for name, total in zip(rank_means, world_totals):
         record[name] = total / trainer.world
-    if not is_moe(policy):
-        del record["aux_loss"]
     # The KL and the clipped tokens are token sums, so they are divided by N, the step's masked tokens.
     kl_sum, clipped, tokens, cut = world_sum(sums["kl"], sums["clipped"], completion_len.sum(), prompts_cut,
                                              device=device)

@@ -34,13 +34,17 @@ def patched(**stand_ins):
             setattr(tg, k, v)
 
 
+def ddp_alive():
+    return any(isinstance(o, DDP) for o in gc.get_objects())
+
+
 def close_group():
     """Every worker's last act, as the trainer's own end (train: barrier, then main destroys the group):
     no rank tears the group down while the other is still in it. The worker's DDP wrapper must be gone first, as
     the trainer's is: freed after destroy_process_group, it destroys the gloo group while holding the GIL, and
     gloo's thread, which needs the GIL to free its last work, never joins (this suite hung there once)."""
     gc.collect()
-    assert not any(isinstance(o, DDP) for o in gc.get_objects()), "del the worker's DDP wrapper first"
+    assert not ddp_alive(), "del the worker's DDP wrapper first"
     dist.barrier()
     dist.destroy_process_group()
 
@@ -71,7 +75,7 @@ def teardown(rank, world, out_dir, argv, case):
     real_destroy, real_wrap = dist.destroy_process_group, tg.wrap_ddp
 
     def destroy_process_group():
-        alive.append(any(isinstance(o, DDP) for o in gc.get_objects()))
+        alive.append(ddp_alive())
         real_destroy()
 
     def wrap_ddp(model, device):
