@@ -316,8 +316,9 @@ def grpo_step(args, trainer, prompt_rows, state):
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
     """Left-padded ids and mask [B * repeat, P], and how many of the B prompts were cut.
 
-    A prompt starts with the BOS its tokenizer puts first, never twice, and keeps it when cut: the model never
-    saw text without one. A cut drops the start of the prompt, because the end holds the question.
+    A prompt starts with the BOS its tokenizer puts first, never twice, and keeps it when cut, because the model
+    never saw text without one. Only a budget of one token keeps the last token instead. A cut drops the start of
+    the prompt, because the end holds the question.
     """
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]

@@ -235,6 +235,19 @@ def test_a_dataset_column_may_be_named_like_the_callers_own_argument():
         tg.compute_rewards([batched], [1.0], ["p"], ["c"], [[1]], [{"prompt": "p", "prompts": "x", "fn": 1}])
 
 
+
+def test_columns_named_completion_or_completion_ids_are_left_out_as_in_trl():
+    """The call passes the generated completions and their ids itself; a dataset's own columns of those names
+    would collide with them, so they never reach the function (TRL leaves out the same three keys)."""
+    seen = {}
+
+    def record(prompts, completions, completion_ids, **columns):
+        seen.update(completions=completions, completion_ids=completion_ids, columns=sorted(columns))
+        return [1.0]
+    rows = [{"prompt": "p", "completion": "from the dataset", "completion_ids": [9, 9], "answer": "a"}]
+    assert tg.compute_rewards([record], [1.0], ["p"], ["generated"], [[4, 5]], rows).tolist() == [1.0]
+    assert seen == {"completions": ["generated"], "completion_ids": [[4, 5]], "columns": ["answer"]}
+
 def test_a_bare_reward_name_is_one_of_this_files_reward_functions_only():
     assert tg.load_reward_funcs("gsm8k_format_reward") == [tg.gsm8k_format_reward]
     with pytest.raises(tg.TrainerError, match="--reward_funcs main: no function 'main'"):
