@@ -1,5 +1,6 @@
 """Functions run in 2 spawned gloo processes (they must live in an importable module)."""
 import contextlib
+import copy
 import gc
 import json
 import os
@@ -251,14 +252,18 @@ def fp16_skip(rank, world, out_dir, mode="ddp"):
 
 def world_quantities(rank, world, out_dir):
     """Two real grpo_steps on 2 ranks with different rollouts and rewards (dapo, --scale_rewards batch,
-    micro-batches of 2 rows). The step's world numbers come from its own reductions, spied here, so a number
-    computed on one rank shows. The policy is DDP-wrapped, as the trainer wraps it: step 2 gives rank 1 alone a
-    NaN loss, which DDP's gradient all-reduce hands to rank 0 too. Saves what the step used, this rank's data,
-    and an entropy computed here by a plain forward."""
+    micro-batches of 2 rows, beta 0.04 against a reference that differs from the policy). The step's world
+    numbers come from its own reductions, spied here, so a number computed on one rank shows. The policy is
+    DDP-wrapped, as the trainer wraps it: step 2 gives rank 1 alone a NaN loss, which DDP's gradient all-reduce
+    hands to rank 0 too. Saves what the step used, this rank's data, and an entropy and a k3 KL computed here by
+    plain forwards."""
     dist.init_process_group("gloo")
     model, tok = tiny()
     with torch.no_grad():
         model.lm_head.weight.mul_(3)  # sharper logits: entropies that differ from token to token, rank to rank
+    ref = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(0.7)  # a reference that differs from the policy, so the KL is not 0
     G, P, T = 4, 4, 6
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(3, len(tok), (8, P + T), generator=g)
@@ -269,7 +274,13 @@ def world_quantities(rank, world, out_dir):
         z = model(ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1:-1]
         logp = torch.log_softmax(z.double(), -1)
         ent = -(logp.exp() * logp).sum(-1)
-    seen = {"batch_std": [], "num_items": [], "local_loss": [], "forwards": 0}
+        ref_z = ref(ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1:-1]
+        ref_logp = torch.log_softmax(ref_z.double(), -1)
+        targets = ids[:, P:, None]
+        delta = ref_logp.gather(-1, targets).squeeze(-1) - logp.gather(-1, targets).squeeze(-1)
+        kl = torch.exp(delta) - delta - 1  # k3, by hand
+    no_eos = mask.sum(1) == T  # the rows that ran to the end without an EOS
+    seen = {"batch_std": [], "num_items": [], "local_loss": [], "local_policy_loss": [], "forwards": 0}
     real = {k: getattr(tg, k) for k in ("compute_advantages", "grpo_loss", "loss_divisor", "completion_logps")}
     step = [1]
 
@@ -287,30 +298,33 @@ def world_quantities(rank, world, out_dir):
     def grpo_loss(*a, **k):
         loss, stats = real["grpo_loss"](*a, **k)
         seen["local_loss"].append(loss.item())
+        seen["local_policy_loss"].append(stats["policy_loss"].item())
         return loss, stats
 
     def completion_logps(*a, **k):
         seen["forwards"] += step[0] == 1 and torch.is_grad_enabled()
         return real["completion_logps"](*a, **k)
     stand_ins = dict(compute_advantages=compute_advantages, grpo_loss=grpo_loss, completion_logps=completion_logps,
-                     loss_divisor=loss_divisor, tokenize_prompts=lambda *a, **k: (ids[:, :P], am[:, :P], 0),
-                     rollout=lambda *a, **k: (ids[:, P:], mask, torch.zeros(8, dtype=torch.bool)),
+                     loss_divisor=loss_divisor, tokenize_prompts=lambda *a, **k: (ids[:, :P], am[:, :P], rank + 1),
+                     rollout=lambda *a, **k: (ids[:, P:], mask, no_eos),
                      compute_rewards=lambda *a, **k: rewards.clone())
     args = tg.parse_args(["--loss_type", "dapo", "--scale_rewards", "batch", "--batch_size", "2",
-                          "--num_generations", str(G), "--micro_batch_size", "2"])
+                          "--num_generations", str(G), "--micro_batch_size", "2", "--beta", "0.04"])
     optimizer, scheduler = tg.build_optimizer(model, args)
     run = make_run(DDP(model), tok, optimizer, world, scheduler=scheduler)
+    run.ref_model = ref
     state = tg.TrainState()
     with patched(**stand_ins):
         record = tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
         out = {"world_entropy": state.world_entropy, "skipped_after_1": state.skipped_steps,
-               "record": {k: v for k, v in record.items() if isinstance(v, float)}}
+               "record": {k: v for k, v in record.items() if isinstance(v, (int, float))}}
         before = [p.detach().clone() for p in model.parameters()]
         step[0] = 2
         tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
     out.update(seen, moved_in_2=any(not torch.equal(b, p) for b, p in zip(before, model.parameters())),
                skipped_after_2=state.skipped_steps, rewards=rewards.tolist(), tokens=mask.sum().item(),
-               rows=mask.shape[0], ent_sum=(ent * mask).sum().item(), ent_count=mask.sum().item())
+               rows=mask.shape[0], ent_sum=(ent * mask).sum().item(), ent_count=mask.sum().item(),
+               kl_sum=(kl * mask).sum().item(), no_eos=no_eos.sum().item(), cut=rank + 1)
     torch.save(out, os.path.join(out_dir, f"world_{rank}.pt"))
     del run
     close_group()

@@ -247,7 +247,8 @@ def test_every_world_quantity_of_the_step_is_the_worlds():
     """Each number grpo_step reduces over the ranks, against a hand computation from both ranks' data (which
     differ, so a number computed on one rank does not pass): (a) the batch std, (b) N, (c) the world entropy over
     every row's tokens, (d) the micro-batch count S, (e) the skip decision, which DDP's all-reduce shares,
-    (f) the logged reward and advantage stds, (g) the logged means over every row of both ranks."""
+    (f) the logged reward and advantage stds, (g) the logged means over every row of both ranks, (h) the KL and
+    the counts of truncated completions and cut prompts."""
     r0, r1 = [torch.load(dist_suite() / f"world_{r}.pt", weights_only=True) for r in (0, 1)]   # world_quantities
     sd = statistics.stdev(r0["rewards"] + r1["rewards"])
     assert all(sd != pytest.approx(statistics.stdev(r["rewards"])) for r in (r0, r1))          # the data tell
@@ -279,9 +280,18 @@ def test_every_world_quantity_of_the_step_is_the_worlds():
     lengths = [[6, 5, 4, 3, 6, 2, 1, 6], [2, 2, 3, 1, 4, 6, 1, 3]]
     world_means = {"reward": statistics.mean(r0["rewards"] + r1["rewards"]), "frac_reward_zero_std": 1 / 4,
                    "completion_len": statistics.mean(lengths[0] + lengths[1]),
-                   "loss": (sum(r0["local_loss"][:4]) + sum(r1["local_loss"][:4])) / 2}
+                   "loss": (sum(r0["local_loss"][:4]) + sum(r1["local_loss"][:4])) / 2,
+                   "policy_loss": (sum(r0["local_policy_loss"][:4]) + sum(r1["local_policy_loss"][:4])) / 2,
+                   "truncated_frac": (r0["no_eos"] + r1["no_eos"]) / 16}
+    assert (r0["no_eos"], r1["no_eos"]) == (3, 1)                           # the rows of length T = 6, by hand
     assert r0["record"]["loss"] != pytest.approx(sum(r0["local_loss"][:4]), rel=1e-3)         # the data tell
     for r in (r0, r1):
         for key, value in world_means.items():
             assert r["record"][key] == pytest.approx(value, rel=1e-6), key
         assert r["record"]["tokens_per_s"] * r["record"]["step_time"] == pytest.approx(N, rel=1e-9)
+    # (h) the KL is a token mean over both ranks, from a plain forward of each model; the cut prompts add up
+    kl = (r0["kl_sum"] + r1["kl_sum"]) / N
+    assert all(kl != pytest.approx(r["kl_sum"] / r["tokens"], rel=1e-3) for r in (r0, r1))   # the data tell
+    for r in (r0, r1):
+        assert r["record"]["kl"] == pytest.approx(kl, rel=1e-5)
+        assert r["record"]["truncated_prompts"] == r0["cut"] + r1["cut"] == 3
