@@ -1559,7 +1559,10 @@ def main(argv=None):
         # An error's traceback holds train's frame, and so the DDP wrapper. The wrapper must be freed while its
         # process group exists: freed after, it destroys the gloo group holding the GIL, which can hang the rank.
         error = e if dist.is_initialized() else None
-        while error is not None:
+        # A context chain can loop back on itself, so each error is cleared once.
+        cleared = set()
+        while error is not None and id(error) not in cleared:
+            cleared.add(id(error))
             traceback.clear_frames(error.__traceback__)
             error = error.__context__
         raise

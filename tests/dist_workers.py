@@ -67,11 +67,17 @@ def train(rank, world, argv, out_dir, bypass_ddp=False, tag="train"):
 
 def teardown(rank, world, out_dir, argv, case):
     """The trainer's CLI on this rank, ending normally with its DDP wrapper caught in a reference cycle
-    (case "cycle"), or with a reward that raises (case "error"; the error's traceback holds train's frame).
-    Saves the exit status and whether a DDP wrapper was alive, uncollected, when main destroyed the group."""
-    reward_file = os.path.join(out_dir, f"boom_{rank}.py")
+    (case "cycle"), with a reward that raises (case "error"; the error's traceback holds train's frame), or with
+    a reward whose error has a context chain that loops (case "context_cycle"). Saves the exit status and
+    whether a DDP wrapper was alive, uncollected, when main destroyed the group."""
+    reward_file = os.path.join(out_dir, f"boom_{case}_{rank}.py")
     with open(reward_file, "w") as f:
-        f.write("def boom(completions, **kwargs):\n    raise ValueError('no')\n")
+        f.write("def boom(completions, **kwargs):\n")
+        if case == "context_cycle":
+            f.write("    a, b = ValueError('a'), ValueError('b')\n    a.__context__ = b\n    b.__context__ = a\n"
+                    "    raise a\n")
+        else:
+            f.write("    raise ValueError('no')\n")
     alive = []
     real_destroy, real_wrap = dist.destroy_process_group, tg.wrap_ddp
 
@@ -84,7 +90,7 @@ def teardown(rank, world, out_dir, argv, case):
         wrapped.cycle = [wrapped]      # a reference cycle: only the garbage collector frees it
         return wrapped
     dist.destroy_process_group = destroy_process_group
-    extra = ["--reward_funcs", f"{reward_file}:boom"] if case == "error" else []
+    extra = ["--reward_funcs", f"{reward_file}:boom"] if case != "cycle" else []
     try:
         with patched(wrap_ddp=wrap_ddp if case == "cycle" else real_wrap):
             status = tg.cli(argv + extra)

@@ -133,6 +133,7 @@ def dist_suite():
                 ("train", (run + ["--save_dir", os.path.join(out, "bypass")], out, True, "bypass")),
                 ("teardown", (out, run + ["--save_dir", os.path.join(out, "cycle")], "cycle")),
                 ("teardown", (out, run + ["--save_dir", os.path.join(out, "error")], "error")),
+                ("teardown", (out, run + ["--save_dir", os.path.join(out, "context_cycle")], "context_cycle")),
                 *((name, (out,)) for name in ("moe_empty_expert", "entropy_world", "batch_std_world",
                                               "loop_step_grads", "warm_up_grads", "world_quantities"))]
         try:
