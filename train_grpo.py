@@ -420,10 +420,10 @@ def compute_rewards(reward_fns, weights, prompts, completions, completion_ids, r
                 continue
             try:
                 number = float(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 number = None
             # float("0.5") would take text, and text is not a reward.
-            if number is None or isinstance(value, (str, bytes)):
+            if number is None or isinstance(value, (str, bytes, bytearray)):
                 raise TrainerError(f"reward {fn.__name__} returned {value!r:.40} for sample {i}, not a number")
             if not math.isfinite(number):
                 raise TrainerError(f"reward {fn.__name__} returned {number} for sample {i}, not a finite number")
