@@ -441,7 +441,9 @@ def call_reward(fn, prompts, completions, completion_ids, rows):
     if not isinstance(prompts[0], str):
         # A chat prompt stays its messages, and each completion becomes one assistant message, as in TRL.
         completions = [[{"role": "assistant", "content": c}] for c in completions]
-    columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+    passed_already = ("prompt", "completion", "completion_ids")
+    # Each value is a copy, so a reward that edits a column never changes the training rows.
+    columns = {k: [copy.deepcopy(row[k]) for row in rows] for k in rows[0] if k not in passed_already}
     try:
         values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
     except Exception as e:

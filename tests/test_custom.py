@@ -248,6 +248,24 @@ def test_columns_named_completion_or_completion_ids_are_left_out_as_in_trl():
     assert tg.compute_rewards([record], [1.0], ["p"], ["generated"], [[4, 5]], rows).tolist() == [1.0]
     assert seen == {"completions": ["generated"], "completion_ids": [[4, 5]], "columns": ["answer"]}
 
+
+def test_a_reward_that_edits_a_column_changes_neither_the_rows_nor_the_other_samples():
+    """A group's G samples are one training row repeated; a reward gets copies of its columns (TRL reads each
+    sample afresh from the dataset), so an edit never reaches the next sample, the next step or the rows."""
+    seen = []
+
+    def edits(completions, tags, **kwargs):
+        seen.append([list(t) for t in tags])
+        for t in tags:
+            t.append("edited")
+        return [0.0] * len(completions)
+    row = {"prompt": "p", "tags": ["a"]}
+    rows = [row, row]                                   # G = 2 samples of one row, as grpo_step repeats it
+    for _ in range(2):
+        tg.compute_rewards([edits], [1.0], ["p", "p"], ["x", "y"], [[1], [2]], rows)
+    assert seen == [[["a"], ["a"]], [["a"], ["a"]]]
+    assert row == {"prompt": "p", "tags": ["a"]}
+
 def test_a_bare_reward_name_is_one_of_this_files_reward_functions_only():
     assert tg.load_reward_funcs("gsm8k_format_reward") == [tg.gsm8k_format_reward]
     with pytest.raises(tg.TrainerError, match="--reward_funcs main: no function 'main'"):
