@@ -664,11 +664,10 @@ def normalize(per_token, mask, loss_type, divisor):
 # Stages 11 and 13. The entropy coefficient and the learning-rate schedule.
 # ---------------------------------------------------------------------------------------------------------------
 def world_mean(local_sum, local_count, device="cpu"):
-    # H_w = all_reduce(sum H m) / all_reduce(sum m): a sum and a count, never a mean of per-rank means.
+    # H_w = all_reduce(sum H m) / max(all_reduce(sum m), 1): a sum and a count, never a mean of per-rank means.
+    # A step in which every token is masked measures 0, as in TRL.
     total, count = world_sum(local_sum, local_count, device=device)
-    if count == 0:
-        return float("nan")
-    return total / count
+    return total / max(count, 1.0)
 
 
 def update_entropy_coef(c, world_entropy, *, target, delta, coef_min, coef_max):

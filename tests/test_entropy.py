@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from helpers import dist_suite, make_run, sample_batch, step_on_batch, tg, tiny
+from helpers import FAST, dist_suite, make_run, sample_batch, step_on_batch, tg, tiny
 
 
 def naive_entropy(logits):
@@ -237,3 +237,16 @@ def test_entropy_is_computed_only_where_it_is_logged(tmp_path, monkeypatch):
     before = model.lm_head.weight.detach().clone()
     tg.sft_warmup(model, tok, tg.make_reverse_task(16)[0], args, torch.device("cpu"), 0, 1)
     assert not torch.equal(before, model.lm_head.weight) and tokens["entropy"] == 0
+
+
+def test_a_step_with_every_token_masked_measures_entropy_0_as_trl(tmp_path, monkeypatch):
+    """With an EOS id no token has, no completion ends, and --mask_truncated_completions masks every one: the
+    world entropy is a sum of 0 over a count of 0, which TRL clamps to 1. The entropy is logged as 0, not NaN, and
+    the adaptive rule reads it as below the target, so c rises by delta each step."""
+    monkeypatch.setattr(tg, "eos_token_ids", lambda model, tokenizer: [10**6])
+    tg.main(FAST + ["--max_steps", "2", "--max_gen_len", "2", "--mask_truncated_completions", "1",
+                    "--use_adaptive_entropy", "1", "--entropy_coef", "0.001", "--save_dir", str(tmp_path)])
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["truncated_frac"] for r in records] == [1.0, 1.0]
+    assert [r["entropy"] for r in records] == [0.0, 0.0]
+    assert [r["entropy_coef"] for r in records] == pytest.approx([0.0011, 0.0012], rel=1e-12)
