@@ -316,9 +316,9 @@ def grpo_step(args, trainer, prompt_rows, state):
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
     """Left-padded ids and mask [B * repeat, P], and how many of the B prompts were cut.
 
-    A prompt starts with the BOS its tokenizer puts first, never twice, and keeps it when cut, because the model
-    never saw text without one. Only a budget of one token keeps the last token instead. A cut drops the start of
-    the prompt, because the end holds the question.
+    A prompt starts with the BOS its tokenizer puts first, never twice. A cut drops the start of the prompt,
+    because the end holds the question. The BOS stays, because the model never saw text without one. With
+    max_prompt_len 1 the one token kept is the last.
     """
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
@@ -418,12 +418,14 @@ def compute_rewards(reward_fns, weights, prompts, completions, completion_ids, r
         for i, value in enumerate(values):
             if value is None:
                 continue
-            try:
-                number = float(value)
-            except (TypeError, ValueError, OverflowError):
-                number = None
-            # float("0.5") would take text, and text is not a reward.
-            if number is None or isinstance(value, (str, bytes, bytearray)):
+            # Only a value with __float__ is a number. float() would also read the text "0.5", and text is not a reward.
+            number = None
+            if hasattr(value, "__float__"):
+                try:
+                    number = float(value)
+                except (TypeError, ValueError, OverflowError):
+                    number = None
+            if number is None:
                 raise TrainerError(f"reward {fn.__name__} returned {value!r:.40} for sample {i}, not a number")
             if not math.isfinite(number):
                 raise TrainerError(f"reward {fn.__name__} returned {number} for sample {i}, not a finite number")
@@ -664,7 +666,8 @@ def normalize(per_token, mask, loss_type, divisor):
 # Stages 11 and 13. The entropy coefficient and the learning-rate schedule.
 # ---------------------------------------------------------------------------------------------------------------
 def world_mean(local_sum, local_count, device="cpu"):
-    # H_w = all_reduce(sum H m) / max(all_reduce(sum m), 1): a sum and a count, never a mean of per-rank means.
+    # H_w = all_reduce(sum H m) / max(all_reduce(sum m), 1)
+    # It is a world sum over a world count, never a mean of per-rank means.
     # A step in which every token is masked measures 0, as in TRL.
     total, count = world_sum(local_sum, local_count, device=device)
     return total / max(count, 1.0)

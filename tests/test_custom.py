@@ -254,17 +254,17 @@ def test_a_reward_that_edits_a_column_changes_neither_the_rows_nor_the_other_sam
     sample afresh from the dataset), so an edit never reaches the next sample, the next step or the rows."""
     seen = []
 
-    def edits(completions, tags, **kwargs):
-        seen.append([list(t) for t in tags])
-        for t in tags:
-            t.append("edited")
+    def edits(completions, meta, **kwargs):
+        seen.append([list(m["tags"]) for m in meta])
+        for m in meta:
+            m["tags"].append("edited")              # an edit one level down, which a shallow copy would share
         return [0.0] * len(completions)
-    row = {"prompt": "p", "tags": ["a"]}
+    row = {"prompt": "p", "meta": {"tags": ["a"]}}
     rows = [row, row]                                   # G = 2 samples of one row, as grpo_step repeats it
     for _ in range(2):
         tg.compute_rewards([edits], [1.0], ["p", "p"], ["x", "y"], [[1], [2]], rows)
     assert seen == [[["a"], ["a"]], [["a"], ["a"]]]
-    assert row == {"prompt": "p", "tags": ["a"]}
+    assert row == {"prompt": "p", "meta": {"tags": ["a"]}}
 
 def test_a_bare_reward_name_is_one_of_this_files_reward_functions_only():
     assert tg.load_reward_funcs("gsm8k_format_reward") == [tg.gsm8k_format_reward]

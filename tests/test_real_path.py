@@ -340,6 +340,7 @@ def test_reward_that_is_not_a_finite_number_names_the_function_and_sample(tmp_pa
                              (float("inf"), "inf for sample 2, not a finite number"),
                              ("0.5", "'0.5' for sample 2, not a number"),
                              (bytearray(b"1"), r"bytearray\(b'1'\) for sample 2, not a number"),
+                             (memoryview(b"0.5"), r"<memory at 0x[0-9a-f]+> for sample 2, not a number"),
                              # an int too large for a float: float() raises OverflowError
                              (10**400, "1000000000000000000000000000000000000000 for sample 2, not a number"),
                              # a tensor of two values has __float__, but float() of it raises
