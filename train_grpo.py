@@ -424,7 +424,8 @@ def compute_rewards(reward_fns, weights, prompts, completions, completion_ids, r
                 try:
                     number = float(value)
                 except (TypeError, ValueError, OverflowError):
-                    number = None
+                    # A tensor of two values, or an int too large for a float, stays no number.
+                    pass
             if number is None:
                 raise TrainerError(f"reward {fn.__name__} returned {value!r:.40} for sample {i}, not a number")
             if not math.isfinite(number):
