@@ -277,10 +277,11 @@ def world_quantities(rank, world, out_dir):
     rewards = torch.tensor([[1.0, 1, 1, 1, 0, 1, 0, 0], [0, 0.5, 1, 1, 0.2, 0, 0, 1]][rank])  # rank 0: 1 tied group
     am = torch.cat([torch.ones(8, P, dtype=torch.long), mask], 1)
     with torch.no_grad():  # the entropy of the policy that sampled, by a plain full forward
-        z = model(ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1:-1]
+        positions = (am.cumsum(-1) - 1).clamp(min=0)
+        z = model(ids, attention_mask=am, position_ids=positions).logits[:, P - 1:-1]
         logp = torch.log_softmax(z.double(), -1)
         ent = -(logp.exp() * logp).sum(-1)
-        ref_z = ref(ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits[:, P - 1:-1]
+        ref_z = ref(ids, attention_mask=am, position_ids=positions).logits[:, P - 1:-1]
         ref_logp = torch.log_softmax(ref_z.double(), -1)
         targets = ids[:, P:, None]
         delta = ref_logp.gather(-1, targets).squeeze(-1) - logp.gather(-1, targets).squeeze(-1)
