@@ -20,6 +20,7 @@ What this file leaves out, on purpose, to stay small:
 import argparse
 import copy
 import dataclasses
+import functools
 import gc
 import glob
 import importlib.util
@@ -44,6 +45,8 @@ from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+# torch's own thread count, before anyone set one. main() runs the built-in model on one thread unless you did.
+THREADS_AT_IMPORT = torch.get_num_threads()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,12 +121,19 @@ class Args:
 
 
 # A real model starts from a real run's sizes, never the toy's 8 new tokens and lr 2e-4. A flag you type wins.
+# On a GPU it also recomputes each layer in backward, because there memory is the limit; on a CPU it rarely is.
 REAL_MODEL_DEFAULTS = dict(batch_size=8, micro_batch_size=8, max_prompt_len=512, max_gen_len=512,
-                           learning_rate=1e-6, max_steps=500, eval_interval=50, gradient_checkpointing=1)
+                           learning_rate=1e-6, max_steps=500, eval_interval=50)
+REAL_MODEL_GPU_DEFAULTS = dict(gradient_checkpointing=1)
 
 # A built-in task's own sizes win over those. compare_numbers is sized for SmolLM2-135M on a 2-core CPU.
 TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, max_gen_len=8, max_prompt_len=128, learning_rate=2e-5,
                                          max_steps=40, eval_interval=10, eval_size=200)}
+
+# A resumed run takes its flags from its checkpoint's args.json. A flag typed at --resume may change how long,
+# how often, where and in how much memory it runs; any other must match, because it changes what is computed.
+RESUME_MAY_CHANGE = ("max_steps", "save_interval", "eval_interval", "stop_after", "report_to", "run_name",
+                     "save_dir", "resume", "device", "logp_chunk_size", "gradient_checkpointing", "trust_remote_code")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,12 +215,11 @@ def grpo_step(args, trainer, prompt_rows, state):
     attention_mask = torch.cat([prompt_mask, mask], 1)
     T = completion_ids.shape[1]
 
-    # Every rank runs the same S micro-batches, and the divisor D of stage 9 is the step's.
+    # Every rank runs the same S micro-batches. N, the masked tokens of the step over all ranks, is the step's.
     micro = args.micro_batch_size or len(rows)
     S = math.ceil(len(rows) / micro)
     micro_batches = [slice(j * micro, (j + 1) * micro) for j in range(S)]
     N = world_sum(mask.sum(), device=device)[0]
-    D = loss_divisor(args.loss_type, len(rows), S, N, trainer.world, args.max_gen_len)
 
     # 5-6. Reference and old log-probs, computed once, without a graph.
     ref_logps = None
@@ -230,6 +239,9 @@ def grpo_step(args, trainer, prompt_rows, state):
                 # DDP all-reduces the gradients in the last micro-batch's backward only.
                 trainer.model.require_backward_grad_sync = j == S - 1
             m = mask[part]
+            # A micro-batch's means weigh its share of the rows, so the last, shorter one weighs less.
+            share = m.shape[0] / len(rows)
+            D = loss_divisor(args.loss_type, len(rows), m.shape[0], N, trainer.world, args.max_gen_len)
             # 7. Current log-probs, through the DDP wrapper so that backward syncs the gradients.
             # The entropy is measured on the first update, and kept in the graph only if a bonus uses it.
             with autocast(args, device):
@@ -247,11 +259,11 @@ def grpo_step(args, trainer, prompt_rows, state):
                                     importance_sampling_level=args.importance_sampling_level)
             # 11. The bonus is the token mean of H over this micro-batch, whatever the loss type (TRL).
             if alpha != 0.0:
-                loss = loss - alpha * (entropy * m).sum() / m.sum().clamp(min=1) / S
+                loss = loss - alpha * share * (entropy * m).sum() / m.sum().clamp(min=1)
             # 12. A mixture of experts adds its router's load-balancing loss.
             if aux is not None:
-                loss = loss + policy.config.router_aux_loss_coef * aux / S
-                sums["aux"] += aux.detach() / S
+                loss = loss + policy.config.router_aux_loss_coef * share * aux
+                sums["aux"] += share * aux.detach()
             # 13. Gradients add up over the micro-batches. Under float16 the loss is scaled first.
             trainer.scaler.scale(loss).backward()
             sums["loss"] += loss.detach()
@@ -450,8 +462,11 @@ def call_reward(fn, prompts, completions, completion_ids, rows):
     try:
         values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
     except Exception as e:
-        raise TrainerError(f"reward {fn.__name__} raised on this step's {len(rows)} samples: "
-                           f"{type(e).__name__}: {e}") from None
+        if e.__traceback__.tb_next is None:
+            # The call failed before the function ran: it does not take these arguments, which is bad input.
+            raise TrainerError(f"reward {fn.__name__} cannot take this step's arguments: {one_line(e)}") from None
+        # The function itself raised. It is your code, so its traceback follows the line that names it.
+        raise RewardError(f"reward {fn.__name__} raised on {len(rows)} samples") from e
     if hasattr(values, "tolist"):
         values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != len(rows):
@@ -599,15 +614,16 @@ def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
 # ---------------------------------------------------------------------------------------------------------------
 # Stages 8-9. The objective and its normalization.
 # ---------------------------------------------------------------------------------------------------------------
-def loss_divisor(loss_type, rows, S, N, world, max_gen_len):
-    """D, the step's divisor of each micro-batch's loss. rows: this rank's B*G; S: micro-batches per update;
+def loss_divisor(loss_type, rows, micro_rows, N, world, max_gen_len):
+    """D, the divisor of a micro-batch's loss. rows: this rank's B*G; micro_rows: the micro-batch's;
     N: masked tokens over all ranks."""
     if loss_type == "grpo":
         # D = rows, after each row is averaged over its own tokens: every sequence weighs the same.
         return rows
     if loss_type == "bnpo":
-        # D = S, after each micro-batch is averaged over its tokens.
-        return S
+        # D = rows / micro_rows, after the micro-batch is averaged over its tokens: it weighs its share of the rows.
+        # With S equal micro-batches, D = S.
+        return rows / micro_rows
     if loss_type == "dr_grpo":
         # D = rows * L_max, a constant: no bias toward short or long completions.
         return rows * max_gen_len
@@ -707,29 +723,36 @@ def clip_grad_norm(model, max_norm):
 def train(args, rank, world, device):
     """Set up, start or resume, then one grpo_step per step, with eval, logging and checkpoints."""
     started = time.time()
+    ckpt = checkpoint_to_resume(args)
+    if ckpt is None and find_checkpoint(args.save_dir):
+        # A fresh start there would mix two runs in one folder, and a later --resume auto would pick the old one.
+        raise TrainerError(f"--save_dir {args.save_dir} holds the checkpoints of an earlier run: continue it with "
+                           f"--resume auto, or give another --save_dir")
     random.seed(args.seed)
     np.random.seed(args.seed)
     # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
-    policy, tokenizer = load_model_and_tokenizer(args, device)
+    # The task first, so that a problem with the dataset stops the run before a model loads.
     train_rows, eval_rows, reward_fns, weights, score, eval_key = load_task(args, world)
+    policy, tokenizer = load_model_and_tokenizer(args, device)
     if rank == 0:
         print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never trained on")
+        print(f"flags that differ from the defaults: {changed_flags(args) or 'none'}")
+        os.makedirs(args.save_dir, exist_ok=True)
+        write_args(args, args.save_dir)
     prompt_order = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank, shuffle=True,
                                       seed=args.seed, drop_last=True)
     model = wrap_ddp(policy, device) if world > 1 else policy
-    if not args.model_name_or_path and args.sft_warmup_steps > 0:
-        # Deterministic, so a resumed run redoes it and builds the same reference model.
+    if not args.model_name_or_path and args.sft_warmup_steps > 0 and (ckpt is None or args.beta > 0):
+        # A resumed run gets its weights from the checkpoint. It redoes the warm-up only to rebuild the reference
+        # model, which is the policy as the warm-up left it. The warm-up is deterministic, so it is the same.
         sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
     ref_model = frozen_copy(policy, getattr(torch, args.dtype)) if args.beta > 0 else None
     optimizer, scheduler = build_optimizer(policy, args)
     trainer = Trainer(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer,
                       reward_fns, weights, world, device)
 
-    if rank == 0:
-        os.makedirs(args.save_dir, exist_ok=True)
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
-    ckpt = find_checkpoint(args.save_dir) if args.resume == "auto" else args.resume
     if ckpt:
         state = resume(args, ckpt, trainer, rank, metrics_path)
         report, close_report = open_report(args, rank, resumed_at=state.step)
@@ -754,7 +777,10 @@ def train(args, rank, world, device):
     for step in bar:
         state.step = step
         rows = next_prompts(prompt_order, train_rows, state, args.batch_size)
-        record = {"step": step, **grpo_step(args, trainer, rows, state)}
+        try:
+            record = {"step": step, **grpo_step(args, trainer, rows, state)}
+        except RewardError as e:
+            raise RewardError(f"{e} at step {step}") from e.__cause__
         if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
             record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
         log_metrics(metrics_path, record, rank, report)
@@ -790,10 +816,16 @@ def next_prompts(prompt_order, train_rows, state, batch_size):
     if state.sampler_pos + batch_size > len(prompt_order):
         state.sampler_epoch += 1
         state.sampler_pos = 0
-    prompt_order.set_epoch(state.sampler_epoch)
-    order = list(prompt_order)[state.sampler_pos:state.sampler_pos + batch_size]
+    order = epoch_order(prompt_order, state.sampler_epoch)[state.sampler_pos:state.sampler_pos + batch_size]
     state.sampler_pos += batch_size
     return [train_rows[i] for i in order]
+
+
+@functools.lru_cache(maxsize=1)
+def epoch_order(prompt_order, epoch):
+    """This rank's prompt indices for one epoch, drawn once per epoch instead of once per step."""
+    prompt_order.set_epoch(epoch)
+    return list(prompt_order)
 
 
 def build_optimizer(policy, args):
@@ -987,8 +1019,8 @@ def gsm8k_correct_reward(completions, answer, **kwargs):
 
 
 def gsm8k_format_reward(completions, **kwargs):
-    # 1.0 if the completion ends with '#### <number>'.
-    return [float(re.search(r"####\s*" + NUMBER + r"\s*$", text_of(c).strip()) is not None) for c in completions]
+    # 1.0 if the completion ends with '#### <number>', a final period allowed as the correctness reward allows it.
+    return [float(re.search(r"####\s*" + NUMBER + r"\.?\s*$", text_of(c).strip()) is not None) for c in completions]
 
 
 def task_rewards(args):
@@ -1034,6 +1066,10 @@ def load_task(args, world):
         train_rows, eval_rows = load_rows(args)
     reward_fns, weights = task_rewards(args)
     is_correct = reward_fns[0]
+    built_in = args.dataset in ("", "compare_numbers", "gsm8k")
+    if not built_in and not args.reward_funcs and not all(is_gsm8k_row(row) for row in train_rows):
+        raise TrainerError(f"--dataset {args.dataset}: its rows are not GSM8K's (a 'question', and an 'answer' "
+                           f"ending '#### N'), so no built-in reward scores them: give --reward_funcs")
     if args.reward_funcs:
         reward_fns = load_reward_funcs(args.reward_funcs)
         weights = [1.0] * len(reward_fns)
@@ -1053,6 +1089,10 @@ def load_task(args, world):
         return [float(v == 1.0) for v in values]
     eval_key = "eval_reward" if args.reward_funcs else "eval_accuracy"
     return train_rows, eval_rows, reward_fns, weights, score, eval_key
+
+
+def is_gsm8k_row(row):
+    return "question" in row and "####" in str(row.get("answer", ""))
 
 
 def load_rows(args):
@@ -1278,13 +1318,21 @@ class TrainerError(Exception):
     """A problem with the user's input: reported as one line, never a traceback."""
 
 
+class RewardError(Exception):
+    """A reward function of yours raised. Its traceback follows a line that names it, because it is your code."""
+
+
 def one_line(e):
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="GRPO trainer in one file (README.md)")
+    parser = argparse.ArgumentParser(
+        description="GRPO trainer in one file (README.md)",
+        epilog="The defaults shown are the built-in toy task's. A real model (--model_name_or_path) and a built-in "
+               "task (--dataset compare_numbers) bring their own, and --resume brings its run's. Every run writes "
+               "the flags it ran with to <save_dir>/args.json and prints those that differ from the defaults.")
     # argparse's own error prints the usage first; one line is easier to read under torchrun.
     parser.error = lambda message: parser.exit(2, f"error: {message}\n")
     for f in dataclasses.fields(Args):
@@ -1295,11 +1343,43 @@ def parse_args(argv=None):
     defaults = {}
     if typed.get("model_name_or_path"):
         defaults.update(REAL_MODEL_DEFAULTS)
+        if typed.get("device", "auto") != "cpu" and torch.cuda.is_available():
+            defaults.update(REAL_MODEL_GPU_DEFAULTS)
     defaults.update(TASK_DEFAULTS.get(typed.get("dataset", ""), {}))
     args = Args(**{**defaults, **typed})
+    ckpt = checkpoint_to_resume(args)
+    if ckpt and os.path.isdir(ckpt):
+        args = resumed_args(args, typed, ckpt, parser)
     for problem in check_args(args):
         parser.error(problem)
     return args
+
+
+def checkpoint_to_resume(args):
+    """The checkpoint folder --resume names: 'auto' is the latest in --save_dir, None when there is none."""
+    if args.resume == "auto":
+        return find_checkpoint(args.save_dir)
+    return args.resume or None
+
+
+def resumed_args(args, typed, ckpt, parser):
+    """The flags of the run that wrote ckpt, with the typed ones that may change at a resume applied.
+    --save_dir, --resume and --stop_after say what this command does, so they are always this command's."""
+    path = os.path.join(ckpt, "args.json")
+    if not os.path.isfile(path):
+        parser.error(f"--resume: {ckpt} has no args.json, so the flags of its run are unknown")
+    with open(path) as f:
+        saved = json.load(f)
+    names = [f.name for f in dataclasses.fields(Args)]
+    unknown = [k for k in saved if k not in names]
+    if unknown:
+        parser.error(f"--resume: {ckpt} was written by another train_grpo.py (flags {', '.join(unknown)})")
+    for name, value in typed.items():
+        if name not in RESUME_MAY_CHANGE and name in saved and value != saved[name]:
+            parser.error(f"--{name} {value} differs from {saved[name]}, the value {ckpt} was trained with: a resumed "
+                         f"run computes what its run computed (use another --save_dir for a new run)")
+    this_command = {"save_dir": args.save_dir, "resume": args.resume, "stop_after": args.stop_after}
+    return Args(**{**saved, **typed, **this_command})
 
 
 def check_args(a):
@@ -1411,6 +1491,7 @@ def save(args, trainer, state, rank):
     torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
     if rank == 0:
         save_pretrained(unwrap(trainer.model), trainer.tokenizer, tmp)
+        write_args(args, tmp)
         trainer_state = {**dataclasses.asdict(state), "optimizer": trainer.optimizer.state_dict(),
                          "scheduler": trainer.scheduler.state_dict(), "scaler": trainer.scaler.state_dict()}
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
@@ -1434,6 +1515,22 @@ def save_pretrained(model, tokenizer, where):
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def write_args(args, folder):
+    """args.json: every flag of the run as it was resolved, the defaults of a real model and a task included."""
+    with open(os.path.join(folder, "args.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=1)
+
+
+def changed_flags(args):
+    """The flags whose values differ from the built-in toy task's defaults, as you would type them."""
+    toy = dataclasses.asdict(Args())
+    changed = []
+    for name, value in dataclasses.asdict(args).items():
+        if value != toy[name]:
+            changed.append(f"--{name} {value}")
+    return " ".join(changed)
 
 
 def find_checkpoint(save_dir):
@@ -1498,7 +1595,9 @@ def peak_memory_gib(device):
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    # Linux reports ru_maxrss in KiB, macOS in bytes.
+    unit = 1 if sys.platform == "darwin" else 2**10
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**30
 
 
 def log_metrics(metrics_path, record, rank, report=None):
@@ -1557,6 +1656,11 @@ def summary(args, state, metrics_path, eval_key, started):
 # ---------------------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
+    threads = torch.get_num_threads()
+    # The built-in 75k-parameter model gains nothing from a second thread, and on a busy machine it runs twice as
+    # slow with one. A thread count you set, in OMP_NUM_THREADS or by torch.set_num_threads, wins.
+    if not args.model_name_or_path and "OMP_NUM_THREADS" not in os.environ and threads == THREADS_AT_IMPORT:
+        torch.set_num_threads(1)
     rank, world, device = setup_distributed(args)
     try:
         return train(args, rank, world, device)
@@ -1572,6 +1676,8 @@ def main(argv=None):
             error = error.__context__
         raise
     finally:
+        # A process that goes on after the run, such as a notebook, gets its thread count back.
+        torch.set_num_threads(threads)
         if dist.is_initialized():
             # A wrapper caught in a reference cycle is freed now too, before the group goes.
             gc.collect()
@@ -1585,6 +1691,9 @@ def cli(argv=None):
     except TrainerError as e:
         # One write, so that two ranks' lines never interleave.
         sys.stderr.write(f"error: {e}\n")
+        return 1
+    except RewardError as e:
+        sys.stderr.write(f"error: {e}; its traceback:\n" + "".join(traceback.format_exception(e.__cause__)))
         return 1
     return 0
 

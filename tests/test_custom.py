@@ -113,7 +113,7 @@ def test_a_chat_message_without_role_or_content_is_one_line(tmp_path, model_dir,
     ("def length_reward(completions:\n", "importing"),                       # a syntax error
     ("def other(completions, **kw): return [1.0] * len(completions)\n", "no function 'length_reward'"),
     ("def length_reward(completions, **kw): return ['good'] * len(completions)\n", "not a number"),
-    ("def length_reward(completions, **kw): return [1 / 0]\n", "ZeroDivisionError"),
+    ("def length_reward(prompts, completions): return [1.0] * len(completions)\n", "cannot take"),
 ])
 def test_broken_reward_file_is_one_line(tmp_path, model_dir, capsys, content, words):
     (tmp_path / "r.py").write_text(content)

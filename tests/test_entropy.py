@@ -120,9 +120,10 @@ def test_chunked_path_equals_full_logits_path(use_moe, alpha):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
 def test_entropy_bonus_is_the_same_for_every_loss_type(loss_type):
-    """grpo_step adds -alpha * sum(H m) / max(sum m, 1) / S for each micro-batch, whatever the loss type (TRL),
-    never divided by the loss's divisor D. With every advantage 0 the bonus is all of the gradient; the
-    reference is alpha times the gradient of the micro-batches' token means of H over S, by a full forward."""
+    """grpo_step adds -alpha * share * sum(H m) / max(sum m, 1) for each micro-batch, whatever the loss type (TRL),
+    share being the micro-batch's part of the rows, never divided by the loss's divisor D. With every advantage 0
+    the bonus is all of the gradient; the reference is alpha times the gradient of the micro-batches' token means
+    of H, each weighted by its rows over 16, by a full forward."""
     model, tok = tiny()
     input_ids, attn, comp, mask = sample_batch(model, tok)                       # 16 rows
     alpha, micro, T = 0.05, 6, comp.shape[1]                                     # S = 3: 6, 6 and 4 rows
@@ -132,7 +133,8 @@ def test_entropy_bonus_is_the_same_for_every_loss_type(loss_type):
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     logp = torch.log_softmax(model(input_ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1].double(), -1)
     H = -(logp.exp() * logp).sum(-1)                                             # [rows, T]
-    bonus = sum((H[j:j + micro] * m[j:j + micro]).sum() / m[j:j + micro].sum() for j in range(0, 16, micro)) / 3
+    bonus = sum((H[j:j + micro] * m[j:j + micro]).sum() / m[j:j + micro].sum() * len(m[j:j + micro]) / 16
+                for j in range(0, 16, micro))
     want = torch.autograd.grad(-alpha * bonus, list(model.parameters()))
     args = tg.parse_args(["--loss_type", loss_type, "--batch_size", "4", "--num_generations", "4",
                           "--micro_batch_size", str(micro), "--grad_clip", "0", "--entropy_coef", str(alpha)])

@@ -45,7 +45,7 @@ def test_gradient_oracle_on_policy(loss_type, S):
     L_max, N, world = 7, 20.0, 2
     eps_h = 5.0 if loss_type == "cispo" else 0.28  # cispo's eps_h is a weight cap, min(1, 5.0) = 1 on-policy
     loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type=loss_type, epsilon=0.2, epsilon_high=eps_h,
-                           divisor=tg.loss_divisor(loss_type, mask.shape[0] * S, S, N, world, L_max))
+                           divisor=tg.loss_divisor(loss_type, mask.shape[0] * S, mask.shape[0], N, world, L_max))
     loss.backward()
     want = expected_grad(loss_type, adv, mask, L_max=L_max, N=N, world=world, S=1 if loss_type in ("dapo", "cispo") else S)
     torch.testing.assert_close(logps.grad, want, rtol=1e-6, atol=1e-7)

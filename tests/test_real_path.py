@@ -148,6 +148,9 @@ def test_gsm8k_number_parsing_and_format_reward():
     assert tg.parse_number("abc") is None
     assert tg.gsm8k_format_reward(["work\n#### 12", "#### 12 and then more words"], answer=["#### 12"] * 2) == [
         1.0, 0.0]
+    # a final period, as the correctness reward accepts it: '#### 7.' is right and well formed
+    assert tg.gsm8k_format_reward(["so\n#### 7.", "so\n#### 7.."]) == [1.0, 0.0]
+    assert tg.gsm8k_correct_reward(["so\n#### 7."], answer=["#### 7"]) == [1.0]
     # every shipped sample's reference parses
     rows = [json.loads(l) for l in open(SAMPLE)]
     assert len(rows) >= 30 and all(tg.gsm8k_reference(r["answer"]) is not None for r in rows)
@@ -313,7 +316,7 @@ def test_resume_of_another_model_shape_is_one_line(tmp_path, capsys):
     tg.main([*FAST, "--max_steps", "1", "--save_dir", str(tmp_path)])
     line = one_line_error(in_process(capsys, *FAST, "--max_steps", "2", "--use_moe", "1", "--resume", "auto",
                                      "--save_dir", tmp_path))
-    assert "another model" in line
+    assert "--use_moe 1 differs from 0" in line
     assert (tmp_path / "checkpoint-1" / "model.safetensors").exists()  # nothing already saved is lost
 
 
@@ -327,12 +330,25 @@ def test_resume_from_a_final_directory_is_one_line(tmp_path, capsys):
 
 
 # ---- failures inside the loop ----
-def test_reward_that_raises_names_the_function_and_the_error(tmp_path, monkeypatch):
-    def bad(completions, answer, **kwargs):
-        raise ValueError("boom")
-    monkeypatch.setattr(tg, "reverse_reward", bad)
-    with pytest.raises(tg.TrainerError, match=r"^reward bad raised on this step's 16 samples: ValueError: boom"):
-        tg.main(FAST + ["--max_steps", "1", "--save_dir", str(tmp_path)])
+def test_your_reward_that_raises_shows_its_traceback_under_a_line_naming_it_and_the_step(tmp_path):
+    """A reward is your code: the line names it and the step, and the traceback reaches your file's line."""
+    (tmp_path / "mine.py").write_text("CALLS = []\n"
+                                      "\n"
+                                      "\n"
+                                      "def boom(completions, **kwargs):\n"
+                                      "    CALLS.append(1)\n"
+                                      "    if len(CALLS) == 2:\n"
+                                      "        raise ValueError('no score')\n"
+                                      "    return [0.0] * len(completions)\n")
+    res = run_cli(*FAST, "--max_steps", "3", "--reward_funcs", f"{tmp_path / 'mine.py'}:boom",
+                  "--save_dir", tmp_path / "run")
+    assert res.returncode == 1
+    lines = res.stderr.splitlines()
+    first = [i for i, l in enumerate(lines) if l.startswith("error:")]
+    assert len(first) == 1 and lines[first[0]] == "error: reward boom raised on 16 samples at step 2; its traceback:"
+    after = "\n".join(lines[first[0] + 1:])
+    assert after.startswith("Traceback") and f'File "{tmp_path / "mine.py"}", line 7, in boom' in after
+    assert after.rstrip().endswith("ValueError: no score")
 
 
 def test_reward_that_is_not_a_finite_number_names_the_function_and_sample(tmp_path, monkeypatch):

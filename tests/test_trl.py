@@ -145,7 +145,7 @@ def test_a_reward_that_needs_what_this_trainer_does_not_pass_is_one_line(tmp_pat
     (tmp_path / "r.py").write_text("def curriculum(completions, trainer_state, **kwargs):\n"
                                    "    return [float(trainer_state.global_step) for _ in completions]\n")
     fns = tg.load_reward_funcs(f"{tmp_path / 'r.py'}:curriculum")
-    with pytest.raises(tg.TrainerError, match=r"^reward curriculum raised on this step's 8 samples: TypeError: "
+    with pytest.raises(tg.TrainerError, match=r"^reward curriculum cannot take this step's arguments: TypeError: "
                                               r".*missing 1 required positional argument: 'trainer_state'$"):
         rewards_of(fns, [1.0])
 

@@ -268,7 +268,7 @@ def test_evaluation_without_held_out_prompts_is_refused_or_said(tmp_path, capsys
     save_tiny(model_dir)
     with open(tmp_path / "six.jsonl", "w") as f:
         for i in range(6):
-            f.write(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) + "\n")
+            f.write(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n")
     tg.main([*REAL[:-2], "--eval_interval", "1", "--model_name_or_path", str(model_dir), "--dataset",
              str(tmp_path / "six.jsonl"), "--max_steps", "1", "--save_dir", str(tmp_path / "run")])
     out = capsys.readouterr().out
