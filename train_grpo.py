@@ -1,8 +1,9 @@
 """GRPO in one file: sample G completions per prompt, score them, and push up the ones that beat their group.
 
-Read it top to bottom beside notebook.ipynb. First the config (`Args`), then one step (`grpo_step`), then the
-formulas it calls, each with its formula in a comment and a test in tests/. The rest runs the step: the
-loop, tasks and rewards, models, processes, checkpoints and logging.
+Read it top to bottom beside notebook.ipynb. First the config (`Args`), then one step (`grpo_step`, which
+collects a batch and trains on it), then every function the step calls, each formula in a comment and with a
+test in tests/. A line of '=' marks where the step ends. Below it is what runs the step: the loop, tasks and
+rewards, models, processes, flags, checkpoints and logging.
 
     python train_grpo.py                                          # offline: a tiny model, a built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo    # 2 processes (gloo on CPU, nccl on GPU)
@@ -44,9 +45,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-# torch's own thread count, before anyone set one. main() runs the built-in model on one thread unless you did.
-THREADS_AT_IMPORT = torch.get_num_threads()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -124,20 +124,25 @@ class Args:
 # On a GPU it also recomputes each layer in backward, because there memory is the limit; on a CPU it rarely is.
 REAL_MODEL_DEFAULTS = dict(batch_size=8, micro_batch_size=8, max_prompt_len=512, max_gen_len=512,
                            learning_rate=1e-6, max_steps=500, eval_interval=50)
+
+
 REAL_MODEL_GPU_DEFAULTS = dict(gradient_checkpointing=1)
+
 
 # A built-in task's own sizes win over those. compare_numbers is sized for SmolLM2-135M on a 2-core CPU.
 TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, max_gen_len=8, max_prompt_len=128, learning_rate=2e-5,
                                          max_steps=40, eval_interval=10, eval_size=200)}
 
+
 # A resumed run takes its flags from its checkpoint's args.json. A flag typed at --resume may change how long,
 # how often, where and in how much memory it runs; any other must match, because it changes what is computed.
 RESUME_MAY_CHANGE = ("max_steps", "save_interval", "eval_interval", "stop_after", "report_to", "run_name",
-                     "save_dir", "resume", "device", "logp_chunk_size", "gradient_checkpointing", "trust_remote_code")
+                     "save_dir", "resume", "device", "gradient_checkpointing", "trust_remote_code")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# One GRPO step.
+# One GRPO step: collect a batch (stages 1-6, no graph), then train on it (stages 7-13).
+# A fork that brings its completions from elsewhere replaces collect_batch and keeps train_on_batch.
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class TrainState:
@@ -145,7 +150,7 @@ class TrainState:
     step: int = 0
     sampler_epoch: int = 0
     sampler_pos: int = 0
-    c: float = 0.0                         # the adaptive entropy coefficient
+    c: float = 0.0                         # the entropy coefficient, fixed or moved by the adaptive rule
     alpha: float = 0.0                     # the entropy bonus coefficient the next step applies
     world_entropy: float = float("nan")    # the last step's entropy over all ranks
     skipped_steps: int = 0                 # optimizer updates skipped for a non-finite grad norm
@@ -158,8 +163,9 @@ class TrainState:
 
 
 @dataclass
-class Trainer:
-    """What grpo_step trains with. `model` is the DDP wrapper when there are several processes, else the policy."""
+class Run:
+    """The models, optimizer and rewards a step uses. `model` is the DDP wrapper when there are several
+    processes, else the policy."""
     model: torch.nn.Module
     ref_model: object        # a frozen copy of the policy as GRPO starts, only when beta > 0
     optimizer: object
@@ -172,37 +178,67 @@ class Trainer:
     device: str = "cpu"
 
 
-def grpo_step(args, trainer, prompt_rows, state):
-    """One step on this rank's B prompts. It updates `state` and returns the step's metrics, over all ranks
-    except the timings and the memory, which are this rank's."""
+@dataclass
+class Batch:
+    """This rank's B*G rows as collect_batch hands them to train_on_batch: G completions of each prompt side by
+    side, scored, with every log-prob the updates compare against. A fork that brings its completions from
+    elsewhere, such as a vLLM server or a replay buffer, builds one of these and calls train_on_batch."""
+    input_ids: torch.Tensor        # [B*G, P + T], each left-padded prompt, then its completion
+    attention_mask: torch.Tensor   # [B*G, P + T]
+    completion_mask: torch.Tensor  # [B*G, T], m: 1 up to and including the first EOS
+    advantages: torch.Tensor       # [B*G], A
+    rewards: torch.Tensor          # [B*G], r
+    completion_len: torch.Tensor   # [B*G], tokens up to the EOS, counted before --mask_truncated_completions
+    truncated: torch.Tensor        # [B*G], True where a completion never emitted an EOS
+    old_logps: object = None       # [B*G, T] without a graph when mu > 1; None: old = logp.detach()
+    ref_logps: object = None       # [B*G, T] without a graph when beta > 0, else None
+    prompts_cut: int = 0           # prompts that lost their start to --max_prompt_len
+    generate_time: float = 0.0     # seconds spent in generate
+
+
+def grpo_step(args, run, prompt_rows, state):
+    """One step on this rank's B prompts: collect a batch, then train on it. It updates `state` and returns the
+    step's metrics, over all ranks except the timings and the memory, which are this rank's."""
     started = time.time()
-    reset_peak_memory(trainer.device)
-    device = torch.device(trainer.device)
+    reset_peak_memory(run.device)
+    batch = collect_batch(args, run, prompt_rows)
+    record = train_on_batch(args, run, batch, state)
+    step_time = time.time() - started
+    generated_tokens = world_sum(batch.completion_len.sum(), device=batch.input_ids.device)[0]
+    record.update({"step_time": step_time, "generate_time": batch.generate_time,
+                   "tokens_per_s": generated_tokens / step_time, "peak_mem_gib": peak_memory_gib(run.device)})
+    return record
+
+
+@torch.no_grad()
+def collect_batch(args, run, prompt_rows):
+    """Stages 1-6, without a graph: the prompts, the rollout, the rewards, the advantages, and the reference and
+    old log-probs."""
+    started = time.time()
+    device = torch.device(run.device)
     G = args.num_generations
-    policy = unwrap(trainer.model)
-    tokenizer = trainer.tokenizer
-    lr = trainer.scheduler.get_last_lr()[0]
-    alpha = state.alpha
+    policy = unwrap(run.model)
+    tokenizer = run.tokenizer
 
     # 1. Prompts. Each one is repeated G times, so the G rows of a group sit side by side.
     rows = [row for row in prompt_rows for _ in range(G)]
     texts = [render_prompt(tokenizer, row) for row in prompt_rows]
     prompt_ids, prompt_mask, prompts_cut = tokenize_prompts(tokenizer, texts, args.max_prompt_len, device, G)
 
-    # 2. Rollout. The bare policy samples without a graph; the mask keeps each completion up to its first EOS.
+    # 2. Rollout. The bare policy samples; the mask keeps each completion up to its first EOS.
     with autocast(args, device):
-        completion_ids, mask, no_eos = rollout(policy, prompt_ids, prompt_mask, tokenizer,
-                                               max_gen_len=args.max_gen_len, temperature=args.temperature,
-                                               static_cache=device.type == "cuda")
+        completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
+                                                  max_gen_len=args.max_gen_len, temperature=args.temperature,
+                                                  static_cache=device.type == "cuda")
     generate_time = time.time() - started
 
     # 3. Rewards of the completions as generated.
-    ids = completion_token_ids(completion_ids, mask)
-    completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    completion_ids_list = completion_token_ids(completion_ids, mask)
+    completions = tokenizer.batch_decode(completion_ids_list, skip_special_tokens=True)
     prompts = []
     for row, text in zip(prompt_rows, texts):
         prompts += [reward_prompt(row, text) for _ in range(G)]
-    rewards = compute_rewards(trainer.reward_fns, trainer.weights, prompts, completions, ids, rows)
+    rewards = compute_rewards(run.reward_fns, run.weights, prompts, completions, completion_ids_list, rows)
 
     # 4. Advantages: each reward against its group's.
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
@@ -210,50 +246,61 @@ def grpo_step(args, trainer, prompt_rows, state):
     completion_len = mask.sum(1).float()
     if args.mask_truncated_completions:
         # The reward of a completion without EOS stands, but none of its tokens trains.
-        mask = mask * (~no_eos).unsqueeze(1)
+        mask = mask * (~truncated).unsqueeze(1)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, mask], 1)
     T = completion_ids.shape[1]
 
-    # Every rank runs the same S micro-batches. N, the masked tokens of the step over all ranks, is the step's.
-    micro = args.micro_batch_size or len(rows)
-    S = math.ceil(len(rows) / micro)
-    micro_batches = [slice(j * micro, (j + 1) * micro) for j in range(S)]
-    N = world_sum(mask.sum(), device=device)[0]
-
-    # 5-6. Reference and old log-probs, computed once, without a graph.
+    # 5-6. Reference and old log-probs, computed once and kept fixed through the mu updates.
+    parts = micro_batches(len(rows), args.micro_batch_size)
     ref_logps = None
     old_logps = None
-    if trainer.ref_model is not None:
-        ref_logps = logps_without_grad(trainer.ref_model, input_ids, attention_mask, T, micro_batches, args)
+    if run.ref_model is not None:
+        ref_logps = logps_without_grad(run.ref_model, input_ids, attention_mask, T, parts, args)
     if args.num_iterations > 1:
-        old_logps = logps_without_grad(policy, input_ids, attention_mask, T, micro_batches, args)
+        old_logps = logps_without_grad(policy, input_ids, attention_mask, T, parts, args)
+    return Batch(input_ids, attention_mask, mask, advantages, rewards, completion_len, truncated, old_logps,
+                 ref_logps, prompts_cut, generate_time)
 
-    # 7-13. mu updates on this rollout, each over S micro-batches.
+
+def train_on_batch(args, run, batch, state):
+    """Stages 7-13: mu updates on the batch, each over S micro-batches, then the next step's entropy coefficient.
+    It updates `state` and returns the step's metrics over all ranks."""
+    device = batch.input_ids.device
+    policy = unwrap(run.model)
+    lr = run.scheduler.get_last_lr()[0]
+    alpha = state.alpha
+    mask = batch.completion_mask
+    num_rows, T = mask.shape
+    # Every rank runs the same S micro-batches. N, the masked tokens of the step over all ranks, is the step's.
+    parts = micro_batches(num_rows, args.micro_batch_size)
+    S = len(parts)
+    N = world_sum(mask.sum(), device=device)[0]
+
     entropy_sum = torch.zeros((), device=device)
     applied = False
     for iteration in range(args.num_iterations):
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clipped": 0.0, "aux": 0.0}
-        for j, part in enumerate(micro_batches):
-            if isinstance(trainer.model, DDP):
+        for j, part in enumerate(parts):
+            if isinstance(run.model, DDP):
                 # DDP all-reduces the gradients in the last micro-batch's backward only.
-                trainer.model.require_backward_grad_sync = j == S - 1
+                run.model.require_backward_grad_sync = j == S - 1
             m = mask[part]
             # A micro-batch's means weigh its share of the rows, so the last, shorter one weighs less.
-            share = m.shape[0] / len(rows)
-            D = loss_divisor(args.loss_type, len(rows), m.shape[0], N, trainer.world, args.max_gen_len)
+            share = m.shape[0] / num_rows
+            D = loss_divisor(args.loss_type, num_rows, m.shape[0], N, run.world, args.max_gen_len)
             # 7. Current log-probs, through the DDP wrapper so that backward syncs the gradients.
             # The entropy is measured on the first update, and kept in the graph only if a bonus uses it.
             with autocast(args, device):
                 logps, entropy, aux = completion_logps(
-                    trainer.model, input_ids[part], attention_mask[part], T, temperature=args.temperature,
+                    run.model, batch.input_ids[part], batch.attention_mask[part], T, temperature=args.temperature,
                     chunk_size=args.logp_chunk_size, entropy_grad=alpha != 0.0,
                     with_entropy=iteration == 0 or alpha != 0.0)
             # On-policy the old log-probs are logp.detach(): the ratio is 1, and its gradient is dlogp.
-            old = logps.detach() if old_logps is None else old_logps[part]
-            ref = None if ref_logps is None else ref_logps[part]
+            old = logps.detach() if batch.old_logps is None else batch.old_logps[part]
+            ref = None if batch.ref_logps is None else batch.ref_logps[part]
             # 8-9. The per-token objective plus beta times the KL, normalized as --loss_type says (stage 9).
-            loss, stats = grpo_loss(logps, old, advantages[part], m, loss_type=args.loss_type,
+            loss, stats = grpo_loss(logps, old, batch.advantages[part], m, loss_type=args.loss_type,
                                     epsilon=args.epsilon, epsilon_high=args.epsilon_high, divisor=D,
                                     ref_logps=ref, beta=args.beta,
                                     importance_sampling_level=args.importance_sampling_level)
@@ -265,26 +312,26 @@ def grpo_step(args, trainer, prompt_rows, state):
                 loss = loss + policy.config.router_aux_loss_coef * share * aux
                 sums["aux"] += share * aux.detach()
             # 13. Gradients add up over the micro-batches. Under float16 the loss is scaled first.
-            trainer.scaler.scale(loss).backward()
+            run.scaler.scale(loss).backward()
             sums["loss"] += loss.detach()
             sums["policy_loss"] += stats["policy_loss"]
             sums["kl"] += stats["kl_sum"]
-            sums["clipped"] += stats["clip_ratio"] * m.sum()
+            sums["clipped"] += stats["clipped_tokens"]
             if iteration == 0:
                 entropy_sum += (entropy.detach() * m).sum()
         # 13. Clip the global grad norm, then one AdamW step. DDP gave every rank the same gradients and norm.
-        trainer.scaler.unscale_(trainer.optimizer)
+        run.scaler.unscale_(run.optimizer)
         grad_norm = clip_grad_norm(policy, args.grad_clip)
         if torch.isfinite(grad_norm):
-            trainer.scaler.step(trainer.optimizer)
+            run.scaler.step(run.optimizer)
             applied = True
         else:
             state.skipped_steps += 1
-        trainer.scaler.update()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
     # The schedule moves once per step that updated the weights, so skipped steps do not use up the warmup.
     if applied:
-        trainer.scheduler.step()
+        run.scheduler.step()
 
     # 11. The next step's entropy coefficient, from one world entropy: a sum and a count over all ranks.
     state.world_entropy = world_mean(entropy_sum, mask.sum(), device=device)
@@ -295,9 +342,9 @@ def grpo_step(args, trainer, prompt_rows, state):
 
     # 14. Metrics over all ranks. Every rank has B*G rows, so the world's mean is the sum of the rank means over
     # the world size. With mu > 1 the loss terms are the last update's.
-    grouped = rewards.view(-1, G)
-    rank_means = {"reward": rewards.mean(), "completion_len": completion_len.mean(),
-                  "truncated_frac": no_eos.float().mean(),
+    grouped = batch.rewards.view(-1, args.num_generations)
+    rank_means = {"reward": batch.rewards.mean(), "completion_len": batch.completion_len.mean(),
+                  "truncated_frac": batch.truncated.float().mean(),
                   "frac_reward_zero_std": (grouped.amax(1) == grouped.amin(1)).float().mean(),
                   "loss": sums["loss"], "policy_loss": sums["policy_loss"]}
     if is_moe(policy):
@@ -305,26 +352,58 @@ def grpo_step(args, trainer, prompt_rows, state):
     world_totals = world_sum(*rank_means.values(), device=device)
     record = {}
     for name, total in zip(rank_means, world_totals):
-        record[name] = total / trainer.world
+        record[name] = total / run.world
     # The KL and the clipped tokens are token sums, so they are divided by N, the step's masked tokens.
-    kl_sum, clipped, tokens, cut = world_sum(sums["kl"], sums["clipped"], completion_len.sum(), prompts_cut,
-                                             device=device)
-    step_time = time.time() - started
+    kl_sum, clipped, cut = world_sum(sums["kl"], sums["clipped"], batch.prompts_cut, device=device)
     # The stds are TRL's, over every row of every rank, with n - 1.
     record.update({"kl": kl_sum / max(N, 1.0), "clip_ratio": clipped / max(N, 1.0),
-                   "reward_std": world_std(rewards, device), "advantage_std": world_std(advantages, device),
+                   "reward_std": world_std(batch.rewards, device), "advantage_std": world_std(batch.advantages, device),
                    "entropy": state.world_entropy, "entropy_coef": state.c, "entropy_coef_applied": alpha,
                    "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": state.skipped_steps,
-                   "truncated_prompts": int(cut), "step_time": step_time, "generate_time": generate_time,
-                   "tokens_per_s": tokens / step_time, "peak_mem_gib": peak_memory_gib(device)})
-    if trainer.scaler.is_enabled():
-        record["loss_scale"] = trainer.scaler.get_scale()
+                   "truncated_prompts": int(cut)})
+    if run.scaler.is_enabled():
+        record["loss_scale"] = run.scaler.get_scale()
     return record
+
+
+def micro_batches(num_rows, micro_batch_size):
+    """The slices of the S micro-batches: micro_batch_size rows each, the last may hold fewer; 0: one of all rows.
+    Every rank holds B*G rows, so every rank runs the same S."""
+    micro = micro_batch_size or num_rows
+    S = math.ceil(num_rows / micro)
+    return [slice(j * micro, (j + 1) * micro) for j in range(S)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Stages 1-2. Prompts and rollout.
 # ---------------------------------------------------------------------------------------------------------------
+# GSM8K: the reference answer is the number after "####", and the model is asked to end the same way.
+GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer alone on the last "
+                       "line as '#### <number>'.")
+
+
+def render_prompt(tokenizer, row):
+    """A row's prompt as the policy reads it: a text prompt as it is, chat messages through the chat template
+    with a new assistant turn (add_generation_prompt, as TRL), or a question with GSM8K's system prompt."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if "prompt" not in row:
+        question = row["question"]
+        if not has_template:
+            return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
+        messages = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    else:
+        messages = row["prompt"]
+        if isinstance(messages, str):
+            return messages
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                     for m in messages):
+            raise TrainerError(f"--dataset: a chat prompt must be a list of messages with 'role' and 'content', "
+                               f"got {messages!r:.80}")
+        if not has_template:
+            raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no chat template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
     """Left-padded ids and mask [B * repeat, P], and how many of the B prompts were cut.
 
@@ -355,10 +434,17 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
     return input_ids.repeat_interleave(repeat, 0), attention_mask.repeat_interleave(repeat, 0), prompts_cut
 
 
+def autocast(args, device):
+    # Weights stay float32 and matmuls run in --dtype: a 1e-6 update of a bfloat16 weight of 0.02 rounds away.
+    dtype = getattr(torch, args.dtype)
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 @torch.no_grad()
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True, temperature=1.0,
             static_cache=False):
-    """model.generate in eval mode: completion ids [rows, T], their mask [rows, T], and no_eos [rows].
+    """model.generate in eval mode: completion ids [rows, T], their mask [rows, T], and truncated [rows], True
+    where a completion never emitted an EOS.
 
     It samples from softmax(z / temperature) and nothing else: a checkpoint's generation_config.json (a
     repetition penalty, top-k 50) would sample from a distribution the ratio never scores.
@@ -385,8 +471,8 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
         policy.generation_config = checkpoint_config
         policy.train(was_training)
     completion_ids = out[:, input_ids.shape[1]:]
-    mask, no_eos = completion_mask(completion_ids, eos)
-    return completion_ids, mask, no_eos
+    mask, truncated = completion_mask(completion_ids, eos)
+    return completion_ids, mask, truncated
 
 
 def completion_mask(completion_ids, eos_token_id):
@@ -414,9 +500,35 @@ def completion_token_ids(completion_ids, mask):
     return [ids[m.bool()].tolist() for ids, m in zip(completion_ids, mask)]
 
 
+def unwrap(model):
+    return model.module if isinstance(model, DDP) else model
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Stages 3-4. Rewards and advantages.
+# Stages 3-4. Rewards and advantages. A reward has TRL's form: f(prompts, completions, completion_ids,
+# **columns) returns one float, or None, per completion.
 # ---------------------------------------------------------------------------------------------------------------
+class TrainerError(Exception):
+    """A problem with the user's input: reported as one line, never a traceback."""
+
+
+class RewardError(Exception):
+    """A reward function of yours raised. Its traceback follows a line that names it, because it is your code."""
+
+
+def one_line(e):
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def reward_prompt(row, text):
+    """The prompt a reward function gets: the dataset's own, chat messages as messages, else the text the policy
+    read. It is a copy, so a reward that edits its prompt never changes the training row."""
+    if "prompt" not in row:
+        return text
+    return copy.deepcopy(row["prompt"])
+
+
 def compute_rewards(reward_fns, weights, prompts, completions, completion_ids, rows):
     """r_i = sum_k w_k * reward_k(o_i), over the functions that score o_i.
 
@@ -560,6 +672,24 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T), aux
 
 
+def is_moe(model):
+    return hasattr(unwrap(model).config, "router_aux_loss_coef")
+
+
+def forward_last_hidden(model, **inputs):
+    """model(**inputs) through its wrapper, and the decoder's last hidden state, caught by a hook.
+    output_hidden_states would keep every layer's at once, and logits_to_keep=1 runs the model's own lm_head on
+    the last position only."""
+    caught = []
+    hook = unwrap(model).get_decoder().register_forward_hook(
+        lambda module, args, out: caught.append(out.last_hidden_state))
+    try:
+        out = model(**inputs, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return caught[0], out
+
+
 def _chunk_logps_entropy(model, hidden, targets, temperature, entropy_grad, with_entropy=True):
     """One chunk: hidden [c, H] -> logits [c, V], which exist only here -> log-probs [c] and entropy [c]."""
     logits = lm_logits(model, hidden).float()
@@ -614,19 +744,19 @@ def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
 # ---------------------------------------------------------------------------------------------------------------
 # Stages 8-9. The objective and its normalization.
 # ---------------------------------------------------------------------------------------------------------------
-def loss_divisor(loss_type, rows, micro_rows, N, world, max_gen_len):
-    """D, the divisor of a micro-batch's loss. rows: this rank's B*G; micro_rows: the micro-batch's;
+def loss_divisor(loss_type, num_rows, micro_rows, N, world, max_gen_len):
+    """D, the divisor of a micro-batch's loss. num_rows: this rank's B*G; micro_rows: the micro-batch's rows;
     N: masked tokens over all ranks."""
     if loss_type == "grpo":
-        # D = rows, after each row is averaged over its own tokens: every sequence weighs the same.
-        return rows
+        # D = B*G, after each row is averaged over its own tokens: every sequence weighs the same.
+        return num_rows
     if loss_type == "bnpo":
-        # D = rows / micro_rows, after the micro-batch is averaged over its tokens: it weighs its share of the rows.
+        # D = B*G / micro_rows, after the micro-batch is averaged over its tokens: it weighs its share of the rows.
         # With S equal micro-batches, D = S.
-        return rows / micro_rows
+        return num_rows / micro_rows
     if loss_type == "dr_grpo":
-        # D = rows * L_max, a constant: no bias toward short or long completions.
-        return rows * max_gen_len
+        # D = B*G * L_max, a constant: no bias toward short or long completions.
+        return num_rows * max_gen_len
     if loss_type in ("dapo", "cispo"):
         # D = N / world: DDP averages the ranks' gradients, so summed over ranks this is sum L m / N.
         return max(float(N) / world, 1.0)
@@ -665,8 +795,8 @@ def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon
         per_token = per_token + beta * kl
         kl_sum = (kl * mask).sum().detach()
     loss = normalize(per_token, mask, loss_type, divisor)
-    clip_ratio = (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"policy_loss": policy_loss, "kl_sum": kl_sum, "clip_ratio": clip_ratio}
+    clipped_tokens = (clipped.to(mask.dtype) * mask).sum()
+    return loss, {"policy_loss": policy_loss, "kl_sum": kl_sum, "clipped_tokens": clipped_tokens}
 
 
 def normalize(per_token, mask, loss_type, divisor):
@@ -680,7 +810,7 @@ def normalize(per_token, mask, loss_type, divisor):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Stages 11 and 13. The entropy coefficient and the learning-rate schedule.
+# Stages 11, 13 and 14. The entropy coefficient, the update, and the step's memory.
 # ---------------------------------------------------------------------------------------------------------------
 def world_mean(local_sum, local_count, device="cpu"):
     # H_w = all_reduce(sum H m) / max(all_reduce(sum m), 1)
@@ -717,6 +847,28 @@ def clip_grad_norm(model, max_norm):
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
+def reset_peak_memory(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gib(device):
+    """On CUDA the most allocated since this step began; on a CPU the process's peak resident memory."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    # Linux reports ru_maxrss in KiB, macOS in bytes.
+    unit = 1 if sys.platform == "darwin" else 2**10
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**30
+
+
+# ===============================================================================================================
+# The GRPO step ends here. Whoever has read to this line has read every line of this file that a step runs.
+# Below it is what runs the step: the loop, the warm-up and eval, tasks and datasets, models, torchrun and DDP,
+# flags, checkpoints and logging.
+# ===============================================================================================================
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The loop.
 # ---------------------------------------------------------------------------------------------------------------
@@ -724,8 +876,10 @@ def train(args, rank, world, device):
     """Set up, start or resume, then one grpo_step per step, with eval, logging and checkpoints."""
     started = time.time()
     ckpt = checkpoint_to_resume(args)
-    if ckpt is None and find_checkpoint(args.save_dir):
-        # A fresh start there would mix two runs in one folder, and a later --resume auto would pick the old one.
+    resumes_here = ckpt is not None and os.path.abspath(os.path.dirname(os.path.normpath(ckpt))) == os.path.abspath(
+        args.save_dir)
+    if find_checkpoint(args.save_dir) and not resumes_here:
+        # Another run there would mix two runs in one folder, and a later --resume auto would pick the wrong one.
         raise TrainerError(f"--save_dir {args.save_dir} holds the checkpoints of an earlier run: continue it with "
                            f"--resume auto, or give another --save_dir")
     random.seed(args.seed)
@@ -749,12 +903,12 @@ def train(args, rank, world, device):
         sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
     ref_model = frozen_copy(policy, getattr(torch, args.dtype)) if args.beta > 0 else None
     optimizer, scheduler = build_optimizer(policy, args)
-    trainer = Trainer(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer,
+    run = Run(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer,
                       reward_fns, weights, world, device)
 
     metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
     if ckpt:
-        state = resume(args, ckpt, trainer, rank, metrics_path)
+        state = resume(args, ckpt, run, rank, metrics_path)
         report, close_report = open_report(args, rank, resumed_at=state.step)
     else:
         state = TrainState.initial(args)
@@ -778,11 +932,11 @@ def train(args, rank, world, device):
         state.step = step
         rows = next_prompts(prompt_order, train_rows, state, args.batch_size)
         try:
-            record = {"step": step, **grpo_step(args, trainer, rows, state)}
+            record = {"step": step, **grpo_step(args, run, rows, state)}
+            if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
+                record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
         except RewardError as e:
             raise RewardError(f"{e} at step {step}") from e.__cause__
-        if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
-            record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
         log_metrics(metrics_path, record, rank, report)
         bar.set_postfix(reward=f"{record['reward']:.3f}", eval=record.get(eval_key, ""))
         if record["truncated_prompts"] and not warned_cut and rank == 0:
@@ -791,7 +945,7 @@ def train(args, rank, world, device):
         stopping = args.stop_after and step >= args.stop_after
         periodic = args.save_interval and step % args.save_interval == 0
         if periodic or stopping or step == args.max_steps:
-            ckpt = save(args, trainer, state, rank)
+            ckpt = save(args, run, state, rank)
         if stopping:
             break
 
@@ -839,12 +993,6 @@ def loss_scaler(dtype, device):
     return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
 
 
-def autocast(args, device):
-    # Weights stay float32 and matmuls run in --dtype: a 1e-6 update of a bfloat16 weight of 0.02 rounds away.
-    dtype = getattr(torch, args.dtype)
-    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
-
-
 def frozen_copy(policy, dtype):
     """The reference: a frozen copy of the policy that computes exactly what the policy computes at equal
     weights. Autocast feeds the policy's Linear layers a --dtype copy of their weights, so the reference stores
@@ -865,6 +1013,7 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
                            f"ranks, one at least each: use --batch_size >= {world} or --sft_warmup_steps 0")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
     scaler = loss_scaler(args.dtype, device)
+    # Its own generator, apart from the one that samples the rollouts, so the warm-up never shifts their streams.
     rng = random.Random(args.seed + 7)
     for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
         picks = [rng.randrange(len(train_rows)) for _ in range(args.batch_size)]
@@ -912,12 +1061,13 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tasks, datasets and their rewards. A reward has TRL's form: f(prompts, completions, completion_ids, **columns)
-# returns one float, or None, per completion.
+# Tasks, datasets and their rewards.
 # ---------------------------------------------------------------------------------------------------------------
 # The built-in task: reverse a string of letters, "cabde=" -> "edbac". A 2-layer model can learn it in minutes
 # on a CPU, and the held-out strings were never trained on.
 REVERSE_ALPHABET = "abcdefgh"
+
+
 REVERSE_LEN = 5
 
 
@@ -975,10 +1125,6 @@ def compare_format_reward(completions, **kwargs):
     # 1.0 if the completion is a number alone ("43" or "43."), as the prompt asks.
     return [float(re.fullmatch(r"\s*-?\d+\.?\s*", text_of(c)) is not None) for c in completions]
 
-
-# GSM8K: the reference answer is the number after "####", and the model is asked to end the same way.
-GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer alone on the last "
-                       "line as '#### <number>'.")
 
 # Digits in groups of three may be separated by ',', LaTeX's '{,}' or a space ('1{,}000', '1 000').
 NUMBER = r"-?[$]?\s*-?(?:\d{1,3}(?:(?:\{,\}| )\d{3})+(?!\d)|\d[\d,]*)(?:\.\d+)?"
@@ -1131,36 +1277,6 @@ def load_rows(args):
     return rows[n_eval:], rows[:n_eval]
 
 
-def reward_prompt(row, text):
-    """The prompt a reward function gets: the dataset's own, chat messages as messages, else the text the policy
-    read. It is a copy, so a reward that edits its prompt never changes the training row."""
-    if "prompt" not in row:
-        return text
-    return copy.deepcopy(row["prompt"])
-
-
-def render_prompt(tokenizer, row):
-    """A row's prompt as the policy reads it: a text prompt as it is, chat messages through the chat template
-    with a new assistant turn (add_generation_prompt, as TRL), or a question with GSM8K's system prompt."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if "prompt" not in row:
-        question = row["question"]
-        if not has_template:
-            return f"{GSM8K_SYSTEM_PROMPT}\n\nQuestion: {question}\nAnswer:"
-        messages = [{"role": "system", "content": GSM8K_SYSTEM_PROMPT}, {"role": "user", "content": question}]
-    else:
-        messages = row["prompt"]
-        if isinstance(messages, str):
-            return messages
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                     for m in messages):
-            raise TrainerError(f"--dataset: a chat prompt must be a list of messages with 'role' and 'content', "
-                               f"got {messages!r:.80}")
-        if not has_template:
-            raise TrainerError("--dataset: the prompts are chat messages, but the tokenizer has no chat template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Models.
 # ---------------------------------------------------------------------------------------------------------------
@@ -1187,10 +1303,6 @@ def build_tiny_model(vocab_size, use_moe, tokenizer):
                                                   num_experts_per_tok=2, decoder_sparse_step=1,
                                                   router_aux_loss_coef=0.01, **common))
     return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common))
-
-
-def is_moe(model):
-    return hasattr(unwrap(model).config, "router_aux_loss_coef")
 
 
 def load_model_and_tokenizer(args, device):
@@ -1238,7 +1350,8 @@ def plain_model(model):
 
 
 def disable_dropout(model):
-    """Dropout would make the log-probs noisy: the ratio would not be 1, nor the KL 0, at equal weights."""
+    """Dropout would make the log-probs noisy. With mu > 1 the old log-probs would not match the current ones at
+    equal weights, and with beta > 0 the reference's would not, so the KL would not be 0 at the first update."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -1251,6 +1364,7 @@ def disable_dropout(model):
 def check_output_head(model):
     """The log-probs come from lm_logits(last hidden state): refuse a model whose forward makes logits otherwise."""
     vocab = model.get_output_embeddings().weight.shape[0]
+    # Eight ids spread over the vocabulary by a large prime, so that the probe is not only the first few tokens.
     ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]
     was_training = model.training
     last, out = forward_last_hidden(model.eval(), input_ids=ids, use_cache=False)
@@ -1261,20 +1375,6 @@ def check_output_head(model):
         gap = (ours - theirs).abs().max().item()
         raise TrainerError(f"{type(model).__name__}'s forward post-processes its logits in a way "
                            f"train_grpo.lm_logits does not (max difference {gap:.3g}); add it there")
-
-
-def forward_last_hidden(model, **inputs):
-    """model(**inputs) through its wrapper, and the decoder's last hidden state, caught by a hook.
-    output_hidden_states would keep every layer's at once, and logits_to_keep=1 runs the model's own lm_head on
-    the last position only."""
-    caught = []
-    hook = unwrap(model).get_decoder().register_forward_hook(
-        lambda module, args, out: caught.append(out.last_hidden_state))
-    try:
-        out = model(**inputs, logits_to_keep=1)
-    finally:
-        hook.remove()
-    return caught[0], out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1291,10 +1391,6 @@ def setup_distributed(args):
     if use_cuda:
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def unwrap(model):
-    return model.module if isinstance(model, DDP) else model
 
 
 def wrap_ddp(model, device):
@@ -1314,19 +1410,6 @@ def barrier():
 # ---------------------------------------------------------------------------------------------------------------
 # Flags. A problem with the input is one line `error: ...`, before any work.
 # ---------------------------------------------------------------------------------------------------------------
-class TrainerError(Exception):
-    """A problem with the user's input: reported as one line, never a traceback."""
-
-
-class RewardError(Exception):
-    """A reward function of yours raised. Its traceback follows a line that names it, because it is your code."""
-
-
-def one_line(e):
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="GRPO trainer in one file (README.md)",
@@ -1364,7 +1447,8 @@ def checkpoint_to_resume(args):
 
 def resumed_args(args, typed, ckpt, parser):
     """The flags of the run that wrote ckpt, with the typed ones that may change at a resume applied.
-    --save_dir, --resume and --stop_after say what this command does, so they are always this command's."""
+    --resume and --stop_after say what this command does, so they are always this command's. --save_dir is the
+    checkpoint's own folder unless typed."""
     path = os.path.join(ckpt, "args.json")
     if not os.path.isfile(path):
         parser.error(f"--resume: {ckpt} has no args.json, so the flags of its run are unknown")
@@ -1374,12 +1458,20 @@ def resumed_args(args, typed, ckpt, parser):
     unknown = [k for k in saved if k not in names]
     if unknown:
         parser.error(f"--resume: {ckpt} was written by another train_grpo.py (flags {', '.join(unknown)})")
-    for name, value in typed.items():
-        if name not in RESUME_MAY_CHANGE and name in saved and value != saved[name]:
+    save_dir = typed.get("save_dir", os.path.dirname(os.path.normpath(ckpt)))
+    this_command = {"save_dir": save_dir, "resume": args.resume, "stop_after": args.stop_after}
+    resumed = Args(**{**saved, **typed, **this_command})
+    for name in typed:
+        may_change = name in RESUME_MAY_CHANGE
+        if name == "max_steps" and resumed.lr_scheduler == "cosine":
+            # A cosine schedule decays over --max_steps, so there the length sets every step's learning rate.
+            may_change = False
+        # The resolved value is compared, so that epsilon_high's -1 reads as the epsilon it stands for.
+        value = getattr(resumed, name)
+        if not may_change and name in saved and value != saved[name]:
             parser.error(f"--{name} {value} differs from {saved[name]}, the value {ckpt} was trained with: a resumed "
                          f"run computes what its run computed (use another --save_dir for a new run)")
-    this_command = {"save_dir": args.save_dir, "resume": args.resume, "stop_after": args.stop_after}
-    return Args(**{**saved, **typed, **this_command})
+    return resumed
 
 
 def check_args(a):
@@ -1480,7 +1572,7 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(args, trainer, state, rank):
+def save(args, run, state, rank):
     """save_dir/checkpoint-<step>/: the model and tokenizer, trainer_state.pt, and each rank's RNG state."""
     final = os.path.join(args.save_dir, f"checkpoint-{state.step}")
     tmp = final + ".tmp"
@@ -1490,10 +1582,10 @@ def save(args, trainer, state, rank):
     barrier()
     torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
     if rank == 0:
-        save_pretrained(unwrap(trainer.model), trainer.tokenizer, tmp)
+        save_pretrained(unwrap(run.model), run.tokenizer, tmp)
         write_args(args, tmp)
-        trainer_state = {**dataclasses.asdict(state), "optimizer": trainer.optimizer.state_dict(),
-                         "scheduler": trainer.scheduler.state_dict(), "scaler": trainer.scaler.state_dict()}
+        trainer_state = {**dataclasses.asdict(state), "optimizer": run.optimizer.state_dict(),
+                         "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict()}
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
     barrier()
     if rank == 0:
@@ -1556,9 +1648,9 @@ def load_weights(model, ckpt, trust_remote_code=False):
     model.load_state_dict(saved)
 
 
-def resume(args, ckpt, trainer, rank, metrics_path):
+def resume(args, ckpt, run, rank, metrics_path):
     """Restore everything a checkpoint holds, this rank's RNG too, and trim the log back to it."""
-    load_weights(unwrap(trainer.model), ckpt, trust_remote_code=bool(args.trust_remote_code))
+    load_weights(unwrap(run.model), ckpt, trust_remote_code=bool(args.trust_remote_code))
 
     def load(name):
         # weights_only: a checkpoint holds data, never code to run.
@@ -1567,9 +1659,9 @@ def resume(args, ckpt, trainer, rank, metrics_path):
             raise TrainerError(f"checkpoint {ckpt} has no {name}")
         return torch.load(path, map_location="cpu", weights_only=True)
     saved = load("trainer_state.pt")
-    trainer.optimizer.load_state_dict(saved.pop("optimizer"))
-    trainer.scheduler.load_state_dict(saved.pop("scheduler"))
-    trainer.scaler.load_state_dict(saved.pop("scaler"))
+    run.optimizer.load_state_dict(saved.pop("optimizer"))
+    run.scheduler.load_state_dict(saved.pop("scheduler"))
+    run.scaler.load_state_dict(saved.pop("scaler"))
     state = TrainState(**saved)
     set_rng_state(load(f"rng_state_{rank}.pt"))
     if rank == 0:
@@ -1585,21 +1677,6 @@ def resume(args, ckpt, trainer, rank, metrics_path):
 # ---------------------------------------------------------------------------------------------------------------
 # Logging.
 # ---------------------------------------------------------------------------------------------------------------
-def reset_peak_memory(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory_gib(device):
-    """On CUDA the most allocated since this step began; on a CPU the process's peak resident memory."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-    # Linux reports ru_maxrss in KiB, macOS in bytes.
-    unit = 1 if sys.platform == "darwin" else 2**10
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**30
-
-
 def log_metrics(metrics_path, record, rank, report=None):
     """Rank 0 appends the record to metrics.jsonl and hands it to --report_to's logger, if any."""
     if rank != 0:
@@ -1654,15 +1731,20 @@ def summary(args, state, metrics_path, eval_key, started):
 # ---------------------------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------------------------
+# torch's thread count as this file is imported. main() runs the built-in model on one thread unless it changed.
+THREADS_AT_IMPORT = torch.get_num_threads()
+
+
 def main(argv=None):
     args = parse_args(argv)
     threads = torch.get_num_threads()
-    # The built-in 75k-parameter model gains nothing from a second thread, and on a busy machine it runs twice as
-    # slow with one. A thread count you set, in OMP_NUM_THREADS or by torch.set_num_threads, wins.
-    if not args.model_name_or_path and "OMP_NUM_THREADS" not in os.environ and threads == THREADS_AT_IMPORT:
-        torch.set_num_threads(1)
-    rank, world, device = setup_distributed(args)
     try:
+        # The built-in 75k-parameter model gains nothing from a second thread, and on a busy machine it runs twice
+        # as slow with one. A count you set, in OMP_NUM_THREADS or by torch.set_num_threads after this file was
+        # imported, wins.
+        if not args.model_name_or_path and "OMP_NUM_THREADS" not in os.environ and threads == THREADS_AT_IMPORT:
+            torch.set_num_threads(1)
+        rank, world, device = setup_distributed(args)
         return train(args, rank, world, device)
     except BaseException as e:
         # An error's traceback holds train's frame, and so the DDP wrapper. The wrapper must be freed while its

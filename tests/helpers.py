@@ -211,9 +211,9 @@ def step_on_batch(args, run, batch, state=None):
 
 
 def make_run(model, tok=None, optimizer=None, world=1, fp16=False, reward_fns=(), weights=(), scheduler=None):
-    """The Trainer for a test that calls grpo_step or its stages directly."""
+    """The Run for a test that calls grpo_step or its stages directly."""
     scaler = torch.amp.GradScaler("cpu", enabled=fp16)
     if scheduler is None and optimizer is not None:  # a constant rate
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return tg.Trainer(model, None, optimizer, scheduler, scaler, tok, list(reward_fns), list(weights), world,
+    return tg.Run(model, None, optimizer, scheduler, scaler, tok, list(reward_fns), list(weights), world,
                       torch.device("cpu"))  # grpo_step reads device.type

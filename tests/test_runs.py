@@ -212,3 +212,28 @@ def test_gpu_runs_of_a_real_model_checkpoint_their_layers_cpu_runs_do_not(monkey
     assert tg.parse_args([*real, "--device", "cpu"]).gradient_checkpointing == 0
     assert tg.parse_args([*real, "--gradient_checkpointing", "0"]).gradient_checkpointing == 0
     assert tg.parse_args([]).gradient_checkpointing == 0      # the toy never
+
+
+def test_a_cosine_run_keeps_its_length_at_a_resume_and_a_typed_minus_one_reads_as_epsilon(tmp_path, capsys):
+    """Under a cosine schedule --max_steps sets every step's learning rate, so it may not change at a resume.
+    epsilon_high's -1 stands for epsilon: typed at a resume, it is the run's own value, not a change."""
+    tg.main([*SHORT, "--lr_scheduler", "cosine", "--stop_after", "2", "--save_dir", str(tmp_path)])
+    line = one_line_error(in_process(capsys, "--max_steps", "8", "--resume", "auto", "--save_dir", tmp_path))
+    assert "--max_steps 8 differs from 4" in line
+    tg.main(["--epsilon_high", "-1", "--resume", "auto", "--save_dir", str(tmp_path)])
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_a_resume_of_a_checkpoint_folder_continues_in_that_folder_never_in_another_runs(tmp_path, capsys):
+    """--resume <checkpoint> without --save_dir goes on where the checkpoint lies; into a folder that holds another
+    run's checkpoints it stops, and changes nothing there."""
+    tg.main([*SHORT, "--seed", "5", "--save_interval", "1", "--save_dir", str(tmp_path / "other")])
+    tg.main([*SHORT, "--stop_after", "2", "--save_dir", str(tmp_path / "a")])
+    before = open(tmp_path / "other" / "metrics.jsonl").read()
+    line = one_line_error(in_process(capsys, "--resume", tmp_path / "a" / "checkpoint-2",
+                                     "--save_dir", tmp_path / "other"))
+    assert "holds the checkpoints of an earlier run" in line
+    assert open(tmp_path / "other" / "metrics.jsonl").read() == before
+    tg.main(["--resume", str(tmp_path / "a" / "checkpoint-2")])
+    assert [r["step"] for r in metrics(tmp_path / "a")] == [1, 2, 3, 4]
+    assert (tmp_path / "a" / "final").is_dir() and not os.path.exists("runs")
