@@ -60,7 +60,7 @@ def flag(default, help, choices=None):
 class Args:
     # What to train.
     loss_type: str = flag("grpo", "objective and normalization (README: The math)", LOSS_TYPES)
-    use_moe: int = flag(0, "1: a mixture-of-experts model; its router loss joins the objective", (0, 1))
+    use_moe: int = flag(0, "1: a mixture-of-experts model; an MoE's router loss joins the objective", (0, 1))
     model_name_or_path: str = flag("", "hub name, local folder or .gguf file; empty: a tiny model built here")
     dataset: str = flag("", "compare_numbers, gsm8k, a hub dataset or a .jsonl/.json/.parquet file; "
                             "empty: the built-in reversal task")
@@ -105,7 +105,7 @@ class Args:
     save_dir: str = flag("runs/grpo", "where metrics.jsonl, the checkpoints and final/ go")
     save_interval: int = flag(0, "write checkpoint-<step> every N steps; 0: only at the end")
     resume: str = flag("", "'auto' (the latest checkpoint in --save_dir) or a checkpoint folder")
-    eval_interval: int = flag(50, "greedy held-out eval every N steps, and before the first; 0: off")
+    eval_interval: int = flag(50, "greedy held-out eval every N steps, at the last, and before a fresh run; 0: off")
     eval_size: int = flag(256, "held-out prompts")
     dtype: str = flag("float32", "compute dtype; weights and AdamW state stay float32",
                       ("float32", "bfloat16", "float16"))
@@ -124,20 +124,17 @@ class Args:
 # On a GPU it also recomputes each layer in backward, because there memory is the limit; on a CPU it rarely is.
 REAL_MODEL_DEFAULTS = dict(batch_size=8, micro_batch_size=8, max_prompt_len=512, max_gen_len=512,
                            learning_rate=1e-6, max_steps=500, eval_interval=50)
-
-
 REAL_MODEL_GPU_DEFAULTS = dict(gradient_checkpointing=1)
-
 
 # A built-in task's own sizes win over those. compare_numbers is sized for SmolLM2-135M on a 2-core CPU.
 TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, max_gen_len=8, max_prompt_len=128, learning_rate=2e-5,
                                          max_steps=40, eval_interval=10, eval_size=200)}
 
-
-# A resumed run takes its flags from its checkpoint's args.json. A flag typed at --resume may change how long,
-# how often, where and in how much memory it runs; any other must match, because it changes what is computed.
+# A resumed run takes its flags from its checkpoint's args.json. A flag typed at --resume may change how long it
+# runs (but under a cosine schedule), how often it saves and evaluates, where it writes and logs, whether layers are
+# recomputed in backward, and whether remote code may load; any other must match, as it changes what is computed.
 RESUME_MAY_CHANGE = ("max_steps", "save_interval", "eval_interval", "stop_after", "report_to", "run_name",
-                     "save_dir", "resume", "device", "gradient_checkpointing", "trust_remote_code")
+                     "save_dir", "resume", "gradient_checkpointing", "trust_remote_code")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -191,7 +188,7 @@ class Batch:
     completion_len: torch.Tensor   # [B*G], tokens up to the EOS, counted before --mask_truncated_completions
     truncated: torch.Tensor        # [B*G], True where a completion never emitted an EOS
     old_logps: object = None       # [B*G, T] without a graph when mu > 1; None: old = logp.detach()
-    ref_logps: object = None       # [B*G, T] without a graph when beta > 0, else None
+    ref_logps: object = None       # [B*G, T] without a graph, needed when beta > 0
     prompts_cut: int = 0           # prompts that lost their start to --max_prompt_len
     generate_time: float = 0.0     # seconds spent in generate
 
@@ -529,7 +526,7 @@ def reward_prompt(row, text):
     return copy.deepcopy(row["prompt"])
 
 
-def compute_rewards(reward_fns, weights, prompts, completions, completion_ids, rows):
+def compute_rewards(reward_fns, weights, prompts, completions, completion_ids_list, rows):
     """r_i = sum_k w_k * reward_k(o_i), over the functions that score o_i.
 
     A function returns None for a sample it does not apply to (TRL: NaN, then nansum). A sample that no
@@ -538,7 +535,7 @@ def compute_rewards(reward_fns, weights, prompts, completions, completion_ids, r
     rewards = torch.zeros(len(completions))
     scored = [False] * len(completions)
     for fn, w in zip(reward_fns, weights):
-        values = call_reward(fn, prompts, completions, completion_ids, rows)
+        values = call_reward(fn, prompts, completions, completion_ids_list, rows)
         for i, value in enumerate(values):
             if value is None:
                 continue
@@ -563,7 +560,7 @@ def compute_rewards(reward_fns, weights, prompts, completions, completion_ids, r
     return rewards
 
 
-def call_reward(fn, prompts, completions, completion_ids, rows):
+def call_reward(fn, prompts, completions, completion_ids_list, rows):
     """TRL's call: f(prompts, completions, completion_ids, **columns), every dataset column as a list."""
     if not isinstance(prompts[0], str):
         # A chat prompt stays its messages, and each completion becomes one assistant message, as in TRL.
@@ -572,7 +569,7 @@ def call_reward(fn, prompts, completions, completion_ids, rows):
     # Each value is a copy, so a reward that edits a column never changes the training rows.
     columns = {k: [copy.deepcopy(row[k]) for row in rows] for k in rows[0] if k not in passed_already}
     try:
-        values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids_list, **columns)
     except Exception as e:
         if e.__traceback__.tb_next is None:
             # The call failed before the function ran: it does not take these arguments, which is bad input.
@@ -621,11 +618,11 @@ def world_std(values, device="cpu"):
 # ---------------------------------------------------------------------------------------------------------------
 # Stages 5-7 and 10. Log-probs and entropy, through lm_head a chunk of tokens at a time.
 # ---------------------------------------------------------------------------------------------------------------
-def logps_without_grad(model, input_ids, attention_mask, T, micro_batches, args):
+def logps_without_grad(model, input_ids, attention_mask, T, parts, args):
     """Reference or old log-probs [rows, T]: no graph, one micro-batch at a time like every other pass."""
     logps = []
     with torch.no_grad(), autocast(args, input_ids.device):
-        for part in micro_batches:
+        for part in parts:
             logps.append(completion_logps(model, input_ids[part], attention_mask[part], T,
                                           temperature=args.temperature, chunk_size=args.logp_chunk_size,
                                           with_entropy=False)[0])
@@ -840,6 +837,13 @@ def lr_factor(step, args):
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def build_optimizer(policy, args):
+    """AdamW on the policy's float32 weights, and the schedule that sets its learning rate by lr_factor."""
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args))
+    return optimizer, scheduler
+
+
 def clip_grad_norm(model, max_norm):
     """The global grad norm, with the gradients scaled down to max_norm if above it (0: no clipping)."""
     if max_norm <= 0:
@@ -863,9 +867,9 @@ def peak_memory_gib(device):
 
 
 # ===============================================================================================================
-# The GRPO step ends here. Whoever has read to this line has read every line of this file that a step runs.
-# Below it is what runs the step: the loop, the warm-up and eval, tasks and datasets, models, torchrun and DDP,
-# flags, checkpoints and logging.
+# The GRPO step ends here. Whoever has read to this line has read every line of this file that a step runs, but
+# for the task's reward functions, which the step calls through run.reward_fns. Below is what runs the step: the
+# loop, the warm-up and eval, tasks and datasets, models, torchrun and DDP, flags, checkpoints and logging.
 # ===============================================================================================================
 
 
@@ -930,9 +934,9 @@ def train(args, rank, world, device):
     warned_cut = False
     for step in bar:
         state.step = step
-        rows = next_prompts(prompt_order, train_rows, state, args.batch_size)
+        prompt_rows = next_prompts(prompt_order, train_rows, state, args.batch_size)
         try:
-            record = {"step": step, **grpo_step(args, run, rows, state)}
+            record = {"step": step, **grpo_step(args, run, prompt_rows, state)}
             if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
                 record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
         except RewardError as e:
@@ -980,12 +984,6 @@ def epoch_order(prompt_order, epoch):
     """This rank's prompt indices for one epoch, drawn once per epoch instead of once per step."""
     prompt_order.set_epoch(epoch)
     return list(prompt_order)
-
-
-def build_optimizer(policy, args):
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args))
-    return optimizer, scheduler
 
 
 def loss_scaler(dtype, device):
@@ -1039,14 +1037,14 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, batch=0):
+def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, per_call=0):
     """The mean of score() over greedy completions of the held-out rows, over all ranks. A generate call holds at
-    most as many rows as a rollout (B*G) unless `batch` says otherwise."""
-    batch = batch or args.batch_size * args.num_generations
+    most as many rows as a rollout (B*G) unless `per_call` says otherwise."""
+    per_call = per_call or args.batch_size * args.num_generations
     mine = eval_rows[rank::world]
     total = 0.0
-    for start in range(0, len(mine), batch):
-        rows = mine[start:start + batch]
+    for start in range(0, len(mine), per_call):
+        rows = mine[start:start + per_call]
         texts = [render_prompt(tokenizer, row) for row in rows]
         ids, prompt_mask, _ = tokenize_prompts(tokenizer, texts, args.max_prompt_len, device)
         with autocast(args, device):
@@ -1066,8 +1064,6 @@ def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, bat
 # The built-in task: reverse a string of letters, "cabde=" -> "edbac". A 2-layer model can learn it in minutes
 # on a CPU, and the held-out strings were never trained on.
 REVERSE_ALPHABET = "abcdefgh"
-
-
 REVERSE_LEN = 5
 
 

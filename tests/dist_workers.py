@@ -213,7 +213,7 @@ def eval_uneven(rank, world, out_dir):
     def score(prompts, completions, completion_ids, rows):
         scored.extend(r["i"] for r in rows)
         return [float(r["i"]) for r in rows]
-    acc = tg.evaluate(model, tok, rows, score, tg.Args(max_gen_len=2), rank, world, "cpu", batch=2)
+    acc = tg.evaluate(model, tok, rows, score, tg.Args(max_gen_len=2), rank, world, "cpu", per_call=2)
     gathered = [None, None]
     dist.all_gather_object(gathered, scored)
     torch.save({"accuracy": acc, "scored": sorted(gathered[0] + gathered[1])},
