@@ -1,9 +1,9 @@
 """GRPO in one file: sample G completions per prompt, score them, and push up the ones that beat their group.
 
 Read it top to bottom beside notebook.ipynb. First the config (`Args`), then one step (`grpo_step`, which
-collects a batch and trains on it), then every function the step calls, each formula in a comment and with a
-test in tests/. A line of '=' marks where the step ends. Below it is what runs the step: the loop, tasks and
-rewards, models, processes, flags, checkpoints and logging.
+collects a batch and trains on it), then every function the step calls but the task's rewards, each formula
+in a comment and with a test in tests/. A line of '=' marks where the step ends. Below it is what runs the
+step: the loop, tasks and rewards, models, processes, flags, checkpoints and logging.
 
     python train_grpo.py                                          # offline: a tiny model, a built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo    # 2 processes (gloo on CPU, nccl on GPU)
@@ -85,7 +85,7 @@ class Args:
     # Log-probs and entropy.
     logp_chunk_size: int = flag(0, "tokens per lm_head chunk; 0: as many as fit 64 MiB of fp32 logits")
     entropy_coef: float = flag(0.0, "entropy bonus coefficient; adaptive: the start of c")
-    use_adaptive_entropy: int = flag(0, "1: move c to hold the entropy at --entropy_target", (0, 1))
+    use_adaptive_entropy: int = flag(0, "1: raise c while the entropy is under --entropy_target, else lower it", (0, 1))
     entropy_target: float = flag(0.2, "adaptive: the target world entropy, nats per token")
     entropy_coef_delta: float = flag(1e-4, "adaptive: how much c moves per step")
     entropy_coef_min: float = flag(0.0, "adaptive: the lowest c")
@@ -131,7 +131,7 @@ TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, max_gen_len=8, max_prompt
                                          max_steps=40, eval_interval=10, eval_size=200)}
 
 # A resumed run takes its flags from its checkpoint's args.json. A flag typed at --resume may change how long it
-# runs (but under a cosine schedule), how often it saves and evaluates, where it writes and logs, whether layers are
+# runs (not under a cosine schedule), how often it saves and evaluates, where it writes and logs, whether layers are
 # recomputed in backward, and whether remote code may load; any other must match, as it changes what is computed.
 RESUME_MAY_CHANGE = ("max_steps", "save_interval", "eval_interval", "stop_after", "report_to", "run_name",
                      "save_dir", "resume", "gradient_checkpointing", "trust_remote_code")
@@ -211,18 +211,18 @@ def grpo_step(args, run, prompt_rows, state):
 def collect_batch(args, run, prompt_rows):
     """Stages 1-6, without a graph: the prompts, the rollout, the rewards, the advantages, and the reference and
     old log-probs."""
-    started = time.time()
     device = torch.device(run.device)
     G = args.num_generations
     policy = unwrap(run.model)
     tokenizer = run.tokenizer
 
     # 1. Prompts. Each one is repeated G times, so the G rows of a group sit side by side.
-    rows = [row for row in prompt_rows for _ in range(G)]
+    group_rows = [row for row in prompt_rows for _ in range(G)]
     texts = [render_prompt(tokenizer, row) for row in prompt_rows]
     prompt_ids, prompt_mask, prompts_cut = tokenize_prompts(tokenizer, texts, args.max_prompt_len, device, G)
 
     # 2. Rollout. The bare policy samples; the mask keeps each completion up to its first EOS.
+    started = time.time()
     with autocast(args, device):
         completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
                                                   max_gen_len=args.max_gen_len, temperature=args.temperature,
@@ -235,7 +235,7 @@ def collect_batch(args, run, prompt_rows):
     prompts = []
     for row, text in zip(prompt_rows, texts):
         prompts += [reward_prompt(row, text) for _ in range(G)]
-    rewards = compute_rewards(run.reward_fns, run.weights, prompts, completions, completion_ids_list, rows)
+    rewards = compute_rewards(run.reward_fns, run.weights, prompts, completions, completion_ids_list, group_rows)
 
     # 4. Advantages: each reward against its group's.
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
@@ -249,15 +249,16 @@ def collect_batch(args, run, prompt_rows):
     T = completion_ids.shape[1]
 
     # 5-6. Reference and old log-probs, computed once and kept fixed through the mu updates.
-    parts = micro_batches(len(rows), args.micro_batch_size)
+    parts = micro_batches(len(group_rows), args.micro_batch_size)
     ref_logps = None
     old_logps = None
     if run.ref_model is not None:
         ref_logps = logps_without_grad(run.ref_model, input_ids, attention_mask, T, parts, args)
     if args.num_iterations > 1:
         old_logps = logps_without_grad(policy, input_ids, attention_mask, T, parts, args)
-    return Batch(input_ids, attention_mask, mask, advantages, rewards, completion_len, truncated, old_logps,
-                 ref_logps, prompts_cut, generate_time)
+    return Batch(input_ids=input_ids, attention_mask=attention_mask, completion_mask=mask, advantages=advantages,
+                 rewards=rewards, completion_len=completion_len, truncated=truncated, old_logps=old_logps,
+                 ref_logps=ref_logps, prompts_cut=prompts_cut, generate_time=generate_time)
 
 
 def train_on_batch(args, run, batch, state):
@@ -1211,7 +1212,7 @@ def load_task(args, world):
     built_in = args.dataset in ("", "compare_numbers", "gsm8k")
     if not built_in and not args.reward_funcs and not all(is_gsm8k_row(row) for row in train_rows):
         raise TrainerError(f"--dataset {args.dataset}: its rows are not GSM8K's (a 'question', and an 'answer' "
-                           f"ending '#### N'), so no built-in reward scores them: give --reward_funcs")
+                           f"with '#### N'), so no built-in reward scores them: give --reward_funcs")
     if args.reward_funcs:
         reward_fns = load_reward_funcs(args.reward_funcs)
         weights = [1.0] * len(reward_fns)
@@ -1735,9 +1736,9 @@ def main(argv=None):
     args = parse_args(argv)
     threads = torch.get_num_threads()
     try:
-        # The built-in 75k-parameter model gains nothing from a second thread, and on a busy machine it runs twice
-        # as slow with one. A count you set, in OMP_NUM_THREADS or by torch.set_num_threads after this file was
-        # imported, wins.
+        # The built-in model is too small to gain from a second thread, and on a busy machine two threads run it
+        # twice as slow as one. A count you set, in OMP_NUM_THREADS or by torch.set_num_threads after this file
+        # was imported, wins.
         if not args.model_name_or_path and "OMP_NUM_THREADS" not in os.environ and threads == THREADS_AT_IMPORT:
             torch.set_num_threads(1)
         rank, world, device = setup_distributed(args)
