@@ -2,6 +2,7 @@
 checkpoint's model, not another save."""
 import os
 
+import pytest
 import torch
 
 from helpers import FAST, make_run, tg, tiny
@@ -74,10 +75,14 @@ def test_final_is_the_last_checkpoints_weights_without_the_trainer_state(tmp_pat
     assert saved.keys() == last.keys() and all(torch.equal(saved[k], last[k]) for k in last)
     # save_pretrained rewrites config.json in place: final/ is a copy, so an edit of final/ leaves the checkpoint
     assert not os.path.samefile(final / "config.json", ckpt / "config.json")
-    # a run resumed from that finished checkpoint into another folder trains nothing: final/ is its files,
-    # not those of a checkpoint-2 another run (seed 1) left in that folder
+    # resumed from that finished checkpoint into a folder where another run (seed 1) left its checkpoint-2, a run
+    # stops and leaves that run as it was; into a folder of its own it trains nothing, and final/ is its files
     other = tg.main(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path / "b"), "--seed", "1"])["model"]
     assert not torch.equal(other.state_dict()["lm_head.weight"], trained["lm_head.weight"])
-    tg.main(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path / "b"), "--resume", str(ckpt)])
+    with pytest.raises(tg.TrainerError, match="holds the checkpoints of an earlier run"):
+        tg.main(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path / "b"), "--resume", str(ckpt)])
     weights = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "final").state_dict()
+    assert all(torch.equal(weights[k], other.state_dict()[k]) for k in trained)
+    tg.main(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path / "c"), "--resume", str(ckpt)])
+    weights = AutoModelForCausalLM.from_pretrained(tmp_path / "c" / "final").state_dict()
     assert all(torch.equal(weights[k], trained[k]) for k in trained)
