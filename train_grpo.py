@@ -195,7 +195,8 @@ class Batch:
 
 def grpo_step(args, run, prompt_rows, state):
     """One step on this rank's B prompts: collect a batch, then train on it. It updates `state` and returns the
-    step's metrics, over all ranks except the timings and the memory, which are this rank's."""
+    step's metrics over all ranks. The timings and the memory are this rank's; tokens_per_s is the world's tokens
+    over this rank's step time."""
     started = time.time()
     reset_peak_memory(run.device)
     batch = collect_batch(args, run, prompt_rows)
@@ -828,7 +829,7 @@ def update_entropy_coef(c, world_entropy, *, target, delta, coef_min, coef_max):
 
 
 def lr_factor(step, args):
-    # lr * f(s) for the update after s steps: f = (s + 1) / (w + 1) during the w warmup steps,
+    # lr * f(s) after s steps that applied an update: f = (s + 1) / (w + 1) during the w warmup steps,
     # then 1 (constant) or 0.5 * (1 + cos(pi * (s - w) / (max_steps - w))) (cosine).
     if step < args.warmup_steps:
         return (step + 1) / (args.warmup_steps + 1)
@@ -1269,7 +1270,7 @@ def load_rows(args):
     rows = [dict(r) for r in train]
     if "train" in splits and "test" in splits:
         return rows, [dict(r) for r in splits["test"]][:args.eval_size]
-    # With one split only, its first rows, at most a tenth, are held out.
+    # Without both a train and a test split, the first rows of the split it trains on, at most a tenth, are held out.
     n_eval = min(args.eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
 
