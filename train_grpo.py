@@ -1,9 +1,9 @@
 """GRPO in one file: sample G completions per prompt, score them, and push up the ones that beat their group.
 
-Read it top to bottom beside notebook.ipynb. First the config (`Args`), then one step (`grpo_step`, which
-collects a batch and trains on it), then every function the step calls but the task's rewards, each formula
-in a comment and with a test in tests/. A line of '=' marks where the step ends. Below it is what runs the
-step: the loop, tasks and rewards, models, processes, flags, checkpoints and logging.
+Read it top to bottom beside notebook.ipynb. First the config (`Args`), then one step (`grpo_step`: collect a
+batch, then train on it) and its math, each formula in a comment and with a test in tests/. A line of '=' marks
+where the math ends. Below it is the plumbing the step calls by name, and what runs the step: the loop, tasks and
+rewards, models, processes, flags, checkpoints and logging.
 
     python train_grpo.py                                          # offline: a tiny model, a built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo    # 2 processes (gloo on CPU, nccl on GPU)
@@ -111,7 +111,9 @@ class Args:
                       ("float32", "bfloat16", "float16"))
     device: str = flag("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
     stop_after: int = flag(0, "stop after this step and its checkpoint; 0: run to --max_steps")
-    report_to: str = flag("none", "also send each step's metrics here", ("none", "wandb", "tensorboard"))
+    report_to: str = flag("none", "also send each step's metrics and completions here", ("none", "wandb", "tensorboard"))
+    log_completions: int = flag(0, "1: every step's training completions of rank 0 go to completions.jsonl", (0, 1))
+    num_completions_to_print: int = flag(3, "held-out completions printed at each eval")
     run_name: str = flag("", "the run's name in wandb or tensorboard; empty: the save_dir's name")
 
     def __post_init__(self):
@@ -120,26 +122,9 @@ class Args:
             self.epsilon_high = 5.0 if self.loss_type == "cispo" else self.epsilon
 
 
-# A real model starts from a real run's sizes, never the toy's 8 new tokens and lr 2e-4. A flag you type wins.
-# On a GPU it also recomputes each layer in backward, because there memory is the limit; on a CPU it rarely is.
-REAL_MODEL_DEFAULTS = dict(batch_size=8, micro_batch_size=8, max_prompt_len=512, max_gen_len=512,
-                           learning_rate=1e-6, max_steps=500, eval_interval=50)
-REAL_MODEL_GPU_DEFAULTS = dict(gradient_checkpointing=1)
-
-# A built-in task's own sizes win over those. compare_numbers is sized for SmolLM2-135M on a 2-core CPU.
-TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, max_gen_len=8, max_prompt_len=128, learning_rate=2e-5,
-                                         max_steps=40, eval_interval=10, eval_size=200)}
-
-# A resumed run takes its flags from its checkpoint's args.json. A flag typed at --resume may change how long it
-# runs (not under a cosine schedule), how often it saves and evaluates, where it writes and logs, whether layers are
-# recomputed in backward, and whether remote code may load; any other must match, as it changes what is computed.
-RESUME_MAY_CHANGE = ("max_steps", "save_interval", "eval_interval", "stop_after", "report_to", "run_name",
-                     "save_dir", "resume", "gradient_checkpointing", "trust_remote_code")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # One GRPO step: collect a batch (stages 1-6, no graph), then train on it (stages 7-13).
-# A fork that brings its completions from elsewhere replaces collect_batch and keeps train_on_batch.
+# A fork that brings its completions from elsewhere passes its own collect (README: Fork the step).
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class TrainState:
@@ -147,8 +132,8 @@ class TrainState:
     step: int = 0
     sampler_epoch: int = 0
     sampler_pos: int = 0
-    c: float = 0.0                         # the entropy coefficient, fixed or moved by the adaptive rule
-    alpha: float = 0.0                     # the entropy bonus coefficient the next step applies
+    entropy_coef: float = 0.0              # c, fixed at --entropy_coef or moved by the adaptive rule
+    entropy_coef_applied: float = 0.0      # alpha, the entropy bonus coefficient the coming step applies
     world_entropy: float = float("nan")    # the last step's entropy over all ranks
     skipped_steps: int = 0                 # optimizer updates skipped for a non-finite grad norm
 
@@ -156,7 +141,7 @@ class TrainState:
     def initial(cls, args):
         # The adaptive bonus waits for a measured entropy (alpha = 0 at step 1), as TRL does.
         alpha = 0.0 if args.use_adaptive_entropy else args.entropy_coef
-        return cls(c=args.entropy_coef, alpha=alpha)
+        return cls(entropy_coef=args.entropy_coef, entropy_coef_applied=alpha)
 
 
 @dataclass
@@ -177,9 +162,9 @@ class Run:
 
 @dataclass
 class Batch:
-    """This rank's B*G rows as collect_batch hands them to train_on_batch: G completions of each prompt side by
-    side, scored, with every log-prob the updates compare against. A fork that brings its completions from
-    elsewhere, such as a vLLM server or a replay buffer, builds one of these and calls train_on_batch."""
+    """This rank's B*G rows as a collect function hands them to train_on_batch: G completions of each prompt side
+    by side, scored, with the log-probs the updates compare against. A fork that brings its completions from
+    elsewhere (a vLLM server, a replay buffer) builds one of these; every metric is computed from it."""
     input_ids: torch.Tensor        # [B*G, P + T], each left-padded prompt, then its completion
     attention_mask: torch.Tensor   # [B*G, P + T]
     completion_mask: torch.Tensor  # [B*G, T], m: 1 up to and including the first EOS
@@ -187,25 +172,23 @@ class Batch:
     rewards: torch.Tensor          # [B*G], r
     completion_len: torch.Tensor   # [B*G], tokens up to the EOS, counted before --mask_truncated_completions
     truncated: torch.Tensor        # [B*G], True where a completion never emitted an EOS
-    old_logps: object = None       # [B*G, T] without a graph when mu > 1; None: old = logp.detach()
+    rewards_per_func: object = None  # [B*G, K], each reward function's value before its weight; NaN: None
+    old_logps: object = None       # [B*G, T] without a graph: the sampler's log-probs; None: the policy's
     ref_logps: object = None       # [B*G, T] without a graph, needed when beta > 0
     prompts_cut: int = 0           # prompts that lost their start to --max_prompt_len
-    generate_time: float = 0.0     # seconds spent in generate
+    generate_time: float = 0.0     # seconds spent sampling
 
 
-def grpo_step(args, run, prompt_rows, state):
-    """One step on this rank's B prompts: collect a batch, then train on it. It updates `state` and returns the
-    step's metrics over all ranks. The timings and the memory are this rank's; tokens_per_s is the world's tokens
-    over this rank's step time."""
+def grpo_step(args, run, prompt_rows, state, collect=None):
+    """One step on this rank's B prompts: collect a batch, train on it, and return the step's metrics over all
+    ranks and the batch. `collect(args, run, prompt_rows)` returns a Batch; collect_batch samples it."""
+    if collect is None:
+        collect = collect_batch
     started = time.time()
     reset_peak_memory(run.device)
-    batch = collect_batch(args, run, prompt_rows)
-    record = train_on_batch(args, run, batch, state)
-    step_time = time.time() - started
-    generated_tokens = world_sum(batch.completion_len.sum(), device=batch.input_ids.device)[0]
-    record.update({"step_time": step_time, "generate_time": batch.generate_time,
-                   "tokens_per_s": generated_tokens / step_time, "peak_mem_gib": peak_memory_gib(run.device)})
-    return record
+    batch = collect(args, run, prompt_rows)
+    losses = train_on_batch(args, run, batch, state)
+    return step_metrics(args, run, batch, state, losses, time.time() - started), batch
 
 
 @torch.no_grad()
@@ -222,7 +205,8 @@ def collect_batch(args, run, prompt_rows):
     texts = [render_prompt(tokenizer, row) for row in prompt_rows]
     prompt_ids, prompt_mask, prompts_cut = tokenize_prompts(tokenizer, texts, args.max_prompt_len, device, G)
 
-    # 2. Rollout. The bare policy samples; the mask keeps each completion up to its first EOS.
+    # 2. Rollout. The bare policy samples from softmax(z / temperature) and nothing else, since that is the
+    # distribution the ratio scores. The mask keeps each completion up to its first EOS (completion_mask).
     started = time.time()
     with autocast(args, device):
         completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
@@ -230,13 +214,14 @@ def collect_batch(args, run, prompt_rows):
                                                   static_cache=device.type == "cuda")
     generate_time = time.time() - started
 
-    # 3. Rewards of the completions as generated.
+    # 3. Rewards of the completions as generated, each function's value per completion, then their weighted sum.
     completion_ids_list = completion_token_ids(completion_ids, mask)
     completions = tokenizer.batch_decode(completion_ids_list, skip_special_tokens=True)
     prompts = []
     for row, text in zip(prompt_rows, texts):
         prompts += [reward_prompt(row, text) for _ in range(G)]
-    rewards = compute_rewards(run.reward_fns, run.weights, prompts, completions, completion_ids_list, group_rows)
+    rewards_per_func = score_completions(run.reward_fns, prompts, completions, completion_ids_list, group_rows)
+    rewards = compute_rewards(rewards_per_func, run.weights)
 
     # 4. Advantages: each reward against its group's.
     batch_std = world_std(rewards, device) if args.scale_rewards == "batch" else None
@@ -246,6 +231,7 @@ def collect_batch(args, run, prompt_rows):
         # The reward of a completion without EOS stands, but none of its tokens trains.
         mask = mask * (~truncated).unsqueeze(1)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    # Built from the mask after that, as in TRL, so a silenced completion is not attended to either.
     attention_mask = torch.cat([prompt_mask, mask], 1)
     T = completion_ids.shape[1]
 
@@ -258,24 +244,29 @@ def collect_batch(args, run, prompt_rows):
     if args.num_iterations > 1:
         old_logps = logps_without_grad(policy, input_ids, attention_mask, T, parts, args)
     return Batch(input_ids=input_ids, attention_mask=attention_mask, completion_mask=mask, advantages=advantages,
-                 rewards=rewards, completion_len=completion_len, truncated=truncated, old_logps=old_logps,
-                 ref_logps=ref_logps, prompts_cut=prompts_cut, generate_time=generate_time)
+                 rewards=rewards, completion_len=completion_len, truncated=truncated,
+                 rewards_per_func=rewards_per_func, old_logps=old_logps, ref_logps=ref_logps,
+                 prompts_cut=prompts_cut, generate_time=generate_time)
 
 
 def train_on_batch(args, run, batch, state):
     """Stages 7-13: mu updates on the batch, each over S micro-batches, then the next step's entropy coefficient.
-    It updates `state` and returns the step's metrics over all ranks."""
+    It updates `state` and returns this rank's loss terms (the last update's) for the step's metrics."""
     device = batch.input_ids.device
     policy = unwrap(run.model)
-    lr = run.scheduler.get_last_lr()[0]
-    alpha = state.alpha
+    alpha = state.entropy_coef_applied
     mask = batch.completion_mask
     num_rows, T = mask.shape
     # Every rank runs the same S micro-batches. N, the masked tokens of the step over all ranks, is the step's.
     parts = micro_batches(num_rows, args.micro_batch_size)
     S = len(parts)
     N = world_sum(mask.sum(), device=device)[0]
+    old_logps = batch.old_logps
+    if old_logps is None and args.num_iterations > 1:
+        # The mu updates compare against one fixed policy, the one that sampled, or no update after the first clips.
+        old_logps = logps_without_grad(policy, batch.input_ids, batch.attention_mask, T, parts, args)
 
+    losses = {"lr": run.scheduler.get_last_lr()[0], "entropy_coef_applied": alpha, "N": N}
     entropy_sum = torch.zeros((), device=device)
     applied = False
     for iteration in range(args.num_iterations):
@@ -295,14 +286,14 @@ def train_on_batch(args, run, batch, state):
                     run.model, batch.input_ids[part], batch.attention_mask[part], T, temperature=args.temperature,
                     chunk_size=args.logp_chunk_size, entropy_grad=alpha != 0.0,
                     with_entropy=iteration == 0 or alpha != 0.0)
-            # On-policy the old log-probs are logp.detach(): the ratio is 1, and its gradient is dlogp.
-            old = logps.detach() if batch.old_logps is None else batch.old_logps[part]
+            # On-policy (mu = 1) the old log-probs are logp.detach(): the ratio is 1, and its gradient is dlogp.
+            old = logps.detach() if old_logps is None else old_logps[part]
             ref = None if batch.ref_logps is None else batch.ref_logps[part]
             # 8-9. The per-token objective plus beta times the KL, normalized as --loss_type says (stage 9).
-            loss, stats = grpo_loss(logps, old, batch.advantages[part], m, loss_type=args.loss_type,
-                                    epsilon=args.epsilon, epsilon_high=args.epsilon_high, divisor=D,
-                                    ref_logps=ref, beta=args.beta,
-                                    importance_sampling_level=args.importance_sampling_level)
+            loss, stats = policy_objective(logps, old, batch.advantages[part], m, loss_type=args.loss_type,
+                                           epsilon=args.epsilon, epsilon_high=args.epsilon_high, divisor=D,
+                                           ref_logps=ref, beta=args.beta,
+                                           importance_sampling_level=args.importance_sampling_level)
             # 11. The bonus is the token mean of H over this micro-batch, whatever the loss type (TRL).
             if alpha != 0.0:
                 loss = loss - alpha * share * (entropy * m).sum() / m.sum().clamp(min=1)
@@ -335,34 +326,12 @@ def train_on_batch(args, run, batch, state):
     # 11. The next step's entropy coefficient, from one world entropy: a sum and a count over all ranks.
     state.world_entropy = world_mean(entropy_sum, mask.sum(), device=device)
     if args.use_adaptive_entropy:
-        state.c, state.alpha = update_entropy_coef(
-            state.c, state.world_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
+        state.entropy_coef, state.entropy_coef_applied = update_entropy_coef(
+            state.entropy_coef, state.world_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
             coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
-
-    # 14. Metrics over all ranks. Every rank has B*G rows, so the world's mean is the sum of the rank means over
-    # the world size. With mu > 1 the loss terms are the last update's.
-    grouped = batch.rewards.view(-1, args.num_generations)
-    rank_means = {"reward": batch.rewards.mean(), "completion_len": batch.completion_len.mean(),
-                  "truncated_frac": batch.truncated.float().mean(),
-                  "frac_reward_zero_std": (grouped.amax(1) == grouped.amin(1)).float().mean(),
-                  "loss": sums["loss"], "policy_loss": sums["policy_loss"]}
-    if is_moe(policy):
-        rank_means["aux_loss"] = sums["aux"]
-    world_totals = world_sum(*rank_means.values(), device=device)
-    record = {}
-    for name, total in zip(rank_means, world_totals):
-        record[name] = total / run.world
-    # The KL and the clipped tokens are token sums, so they are divided by N, the step's masked tokens.
-    kl_sum, clipped, cut = world_sum(sums["kl"], sums["clipped"], batch.prompts_cut, device=device)
-    # The stds are TRL's, over every row of every rank, with n - 1.
-    record.update({"kl": kl_sum / max(N, 1.0), "clip_ratio": clipped / max(N, 1.0),
-                   "reward_std": world_std(batch.rewards, device), "advantage_std": world_std(batch.advantages, device),
-                   "entropy": state.world_entropy, "entropy_coef": state.c, "entropy_coef_applied": alpha,
-                   "grad_norm": grad_norm.item(), "lr": lr, "skipped_steps": state.skipped_steps,
-                   "truncated_prompts": int(cut)})
-    if run.scaler.is_enabled():
-        record["loss_scale"] = run.scaler.get_scale()
-    return record
+    losses.update(sums)
+    losses["grad_norm"] = grad_norm.item()
+    return losses
 
 
 def micro_batches(num_rows, micro_batch_size):
@@ -374,7 +343,261 @@ def micro_batches(num_rows, micro_batch_size):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Stages 1-2. Prompts and rollout.
+# Stages 2-4. The completion mask, the rewards and the advantages.
+# ---------------------------------------------------------------------------------------------------------------
+def completion_mask(completion_ids, eos_token_id):
+    # m_{i,t} = 1 for t <= the first EOS, else 0. The EOS itself is in the mask, so stopping is reinforced.
+    eos = torch.as_tensor(eos_token_id, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos)
+    T = completion_ids.shape[1]
+    never = torch.full_like(is_eos[:, 0], T, dtype=torch.long)
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)
+    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
+    mask = (positions <= first_eos.unsqueeze(1)).long()
+    return mask, ~is_eos.any(1)
+
+
+def compute_rewards(rewards_per_func, weights):
+    # r_i = sum_k w_k * reward_k(o_i), over the functions that score o_i. A None is NaN here and adds nothing,
+    # as TRL's nansum. score_completions has checked that some function scores every completion.
+    w = torch.tensor(weights, dtype=rewards_per_func.dtype)
+    return (rewards_per_func * w).nansum(1).float()
+
+
+def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
+    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), the std with n - 1 as torch.std (and TRL).
+    # "batch" divides by the std of every rank's rewards (batch_std), "none" does not divide.
+    grouped = rewards.view(-1, num_generations)
+    # A group whose rewards all tie gets exactly 0: the float mean of G copies of 0.2 is not 0.2.
+    tied = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    centered = torch.where(tied, 0.0, grouped - grouped.mean(dim=1, keepdim=True))
+    if scale_rewards == "group":
+        centered = centered / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    elif scale_rewards == "batch":
+        if batch_std is None:
+            batch_std = rewards.std()
+        centered = centered / (batch_std + 1e-4)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
+    return centered.reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages 5-7 and 10. Log-probs and entropy, through lm_head a chunk of tokens at a time.
+# ---------------------------------------------------------------------------------------------------------------
+def autocast(args, device):
+    # Weights stay float32 and matmuls run in --dtype: a 1e-6 update of a bfloat16 weight of 0.02 rounds away.
+    dtype = getattr(torch, args.dtype)
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def logps_without_grad(model, input_ids, attention_mask, T, parts, args):
+    """Reference or old log-probs [rows, T]: no graph, one micro-batch at a time like every other pass."""
+    logps = []
+    with torch.no_grad(), autocast(args, input_ids.device):
+        for part in parts:
+            logps.append(completion_logps(model, input_ids[part], attention_mask[part], T,
+                                          temperature=args.temperature, chunk_size=args.logp_chunk_size,
+                                          with_entropy=False)[0])
+    return torch.cat(logps)
+
+
+def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0, chunk_size=0,
+                     entropy_grad=False, with_entropy=True):
+    """Log-probs and entropy of each row's last T tokens, [rows, T] each, and the MoE router loss or None.
+
+    The decoder's last hidden states go through lm_head chunk_size tokens at a time, so at most that many tokens'
+    logits exist at once: at a real vocabulary a small part of the batch (110 tokens at Qwen's 151,936), at the
+    toy's all of it. With grad, call it with the DDP wrapper: the wrapper's forward is what syncs the gradients.
+    """
+    T = num_completion_tokens
+    # Positions count real tokens only, as generate() counted them under left padding.
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    grad = torch.is_grad_enabled()
+    moe = grad and is_moe(model)
+    # Without grad the bare module is enough, and it skips DDP's buffer broadcast.
+    net = model if grad else unwrap(model)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if moe:
+        inputs["output_router_logits"] = True
+    hidden, out = forward_last_hidden(net, **inputs)
+    aux = out.aux_loss if moe else None
+    # The hidden state before token t predicts token t.
+    hidden = hidden[:, -T - 1:-1, :]
+    targets = input_ids[:, -T:]
+    rows = targets.shape[0]
+    bare = unwrap(model)
+    vocab = bare.get_output_embeddings().weight.shape[0]
+    chunk_size = chunk_size or auto_chunk_tokens(vocab)
+    logps = []
+    entropy = []
+    for h, y in zip(hidden.reshape(rows * T, -1).split(chunk_size), targets.reshape(rows * T).split(chunk_size)):
+        if grad:
+            # Keep only the chunk's inputs; its logits are recomputed in backward.
+            lp, ent = checkpoint(_chunk_logps_entropy, bare, h, y, temperature, entropy_grad, with_entropy,
+                                 use_reentrant=False)
+        else:
+            lp, ent = _chunk_logps_entropy(bare, h, y, temperature, False, with_entropy)
+        logps.append(lp)
+        entropy.append(ent)
+    return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T), aux
+
+
+def _chunk_logps_entropy(model, hidden, targets, temperature, entropy_grad, with_entropy=True):
+    """One chunk: hidden [c, H] -> logits [c, V], which exist only here -> log-probs [c] and entropy [c]."""
+    logits = lm_logits(model, hidden).float()
+    if temperature != 1.0:
+        # In place, so no second [c, V] tensor exists.
+        logits.div_(temperature)
+    logps = selective_log_softmax(logits, targets)
+    if not with_entropy:
+        return logps, torch.zeros_like(logps.detach())
+    # Only logged, the entropy gets no graph at all. A bonus needs its gradient, recomputed in backward.
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return logps, entropy
+
+
+def selective_log_softmax(logits, index):
+    # log p(o) = z[o] - logsumexp(z), without a [.., V] log-softmax tensor.
+    z = logits.reshape(-1, logits.shape[-1]).float()
+    logps = z.gather(-1, index.reshape(-1, 1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return logps.view(index.shape)
+
+
+def entropy_from_logits(logits):
+    # H = logsumexp(z) - sum_v softmax(z)_v * z_v
+    z = logits.float()
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages 8-9. The objective and its normalization.
+# ---------------------------------------------------------------------------------------------------------------
+def loss_divisor(loss_type, num_rows, micro_rows, N, world, max_gen_len):
+    """D, the divisor of a micro-batch's loss. num_rows: this rank's B*G; micro_rows: the micro-batch's rows;
+    N: masked tokens over all ranks."""
+    if loss_type == "grpo":
+        # D = B*G, after each row is averaged over its own tokens: every sequence weighs the same.
+        return num_rows
+    if loss_type == "bnpo":
+        # D = B*G / micro_rows, after the micro-batch is averaged over its tokens: it weighs its share of the rows.
+        # With S equal micro-batches, D = S.
+        return num_rows / micro_rows
+    if loss_type == "dr_grpo":
+        # D = B*G * L_max, a constant: no bias toward short or long completions.
+        return num_rows * max_gen_len
+    if loss_type in ("dapo", "cispo"):
+        # D = N / world: DDP averages the ranks' gradients, so summed over ranks this is sum L m / N.
+        return max(float(N) / world, 1.0)
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
+
+
+def policy_objective(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high, divisor,
+                     ref_logps=None, beta=0.0, importance_sampling_level="token"):
+    """The per-token objective of any --loss_type (the clipped one, or cispo's), plus beta times the KL,
+    normalized: (loss, stats). logps, old_logps, ref_logps, mask: [rows, T]; advantages: [rows]. old_logps and
+    ref_logps carry no graph."""
+    assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) has zero gradient"
+    mask = mask.to(logps.dtype)
+    A = advantages.to(logps.dtype).unsqueeze(1)
+    # r = exp(logp - old). Its value is 1 on-policy, and its gradient is r * dlogp because old has no graph.
+    log_ratio = logps - old_logps
+    if importance_sampling_level == "sequence":
+        assert loss_type != "cispo", "GSPO's sequence ratio is for the clipped objective"
+        # GSPO: log s_i = sum_t m (logp - old) / max(sum_t m, 1), the same s_i on every token of o_i.
+        seq_log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        log_ratio = seq_log_ratio.expand_as(logps)
+    ratio = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        # L = -sg(min(r, eps_h)) * A * logp: a capped weight without gradient on a REINFORCE term.
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
+        clipped = (ratio > epsilon_high) & (A > 0)
+    else:
+        # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
+        per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
+        clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
+    policy_loss = normalize(per_token.detach(), mask, loss_type, divisor)
+    kl_sum = torch.zeros((), device=logps.device)
+    if beta > 0:
+        # k3: KL = exp(ref - logp) - (ref - logp) - 1, added as + beta * KL
+        delta = ref_logps - logps
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + beta * kl
+        kl_sum = (kl * mask).sum().detach()
+    loss = normalize(per_token, mask, loss_type, divisor)
+    clipped_tokens = (clipped.to(mask.dtype) * mask).sum()
+    return loss, {"policy_loss": policy_loss, "kl_sum": kl_sum, "clipped_tokens": clipped_tokens}
+
+
+def normalize(per_token, mask, loss_type, divisor):
+    # sum L m / D. grpo first averages each row over its tokens, bnpo the micro-batch over its tokens.
+    total = per_token * mask
+    if loss_type == "grpo":
+        return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / divisor
+    if loss_type == "bnpo":
+        return total.sum() / mask.sum().clamp(min=1) / divisor
+    return total.sum() / divisor
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages 11 and 13. The entropy coefficient and the update.
+# ---------------------------------------------------------------------------------------------------------------
+def world_mean(local_sum, local_count, device="cpu"):
+    # H_w = all_reduce(sum H m) / max(all_reduce(sum m), 1)
+    # It is a world sum over a world count, never a mean of per-rank means.
+    # A step in which every token is masked measures 0, as in TRL.
+    total, count = world_sum(local_sum, local_count, device=device)
+    return total / max(count, 1.0)
+
+
+def update_entropy_coef(c, world_entropy, *, target, delta, coef_min, coef_max):
+    # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min).
+    # The next step applies alpha = c if H_w < target, else 0. Returns (c, alpha).
+    if world_entropy < target:
+        c = min(c + delta, coef_max)
+        return c, c
+    return max(c - delta, coef_min), 0.0
+
+
+def lr_factor(step, args):
+    # lr * f(s) after s steps that applied an update: f = (s + 1) / (w + 1) during the w warmup steps,
+    # then 1 (constant) or 0.5 * (1 + cos(pi * (s - w) / (max_steps - w))) (cosine).
+    if step < args.warmup_steps:
+        return (step + 1) / (args.warmup_steps + 1)
+    if args.lr_scheduler == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_optimizer(policy, args):
+    """AdamW on the policy's float32 weights, and the schedule that sets its learning rate by lr_factor."""
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args))
+    return optimizer, scheduler
+
+
+def clip_grad_norm(model, max_norm):
+    """The global grad norm, with the gradients scaled down to max_norm if above it (0: no clipping)."""
+    if max_norm <= 0:
+        max_norm = math.inf
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+# ===============================================================================================================
+# The math of a GRPO step ends here. Above is every formula a step computes. Below is the plumbing it calls by a
+# name that says what it does: render_prompt and tokenize_prompts (stage 1), rollout with completion_token_ids
+# and unwrap (stage 2), reward_prompt and score_completions (stage 3, which calls the task's reward functions),
+# world_sum and world_std (sums over the ranks), forward_last_hidden, lm_logits, auto_chunk_tokens and is_moe
+# (stage 7), reset_peak_memory and step_metrics (stage 14). The loop below also builds what a Run holds before the first
+# step (the DDP wrapper, the frozen reference, the loss scaler, a model without dropout) and draws each step's
+# prompts. Then come the tasks and rewards, models, processes, flags, checkpoints and logging.
+# ===============================================================================================================
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plumbing of stages 1-3: prompts, the rollout and the reward calls.
 # ---------------------------------------------------------------------------------------------------------------
 # GSM8K: the reference answer is the number after "####", and the model is asked to end the same way.
 GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer alone on the last "
@@ -433,12 +656,6 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
     return input_ids.repeat_interleave(repeat, 0), attention_mask.repeat_interleave(repeat, 0), prompts_cut
 
 
-def autocast(args, device):
-    # Weights stay float32 and matmuls run in --dtype: a 1e-6 update of a bfloat16 weight of 0.02 rounds away.
-    dtype = getattr(torch, args.dtype)
-    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
-
-
 @torch.no_grad()
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True, temperature=1.0,
             static_cache=False):
@@ -474,17 +691,6 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     return completion_ids, mask, truncated
 
 
-def completion_mask(completion_ids, eos_token_id):
-    # m_{i,t} = 1 for t <= the first EOS, else 0. The EOS itself is in the mask, so stopping is reinforced.
-    eos = torch.as_tensor(eos_token_id, device=completion_ids.device)
-    is_eos = torch.isin(completion_ids, eos)
-    T = completion_ids.shape[1]
-    never = torch.full_like(is_eos[:, 0], T, dtype=torch.long)
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), never)
-    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)
-    mask = (positions <= first_eos.unsqueeze(1)).long()
-    return mask, ~is_eos.any(1)
-
 
 def eos_token_ids(model, tokenizer):
     """Every id that ends a completion: the tokenizer's EOS and the generation config's (Llama-3 has three)."""
@@ -503,10 +709,7 @@ def unwrap(model):
     return model.module if isinstance(model, DDP) else model
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Stages 3-4. Rewards and advantages. A reward has TRL's form: f(prompts, completions, completion_ids,
-# **columns) returns one float, or None, per completion.
-# ---------------------------------------------------------------------------------------------------------------
+
 class TrainerError(Exception):
     """A problem with the user's input: reported as one line, never a traceback."""
 
@@ -528,15 +731,12 @@ def reward_prompt(row, text):
     return copy.deepcopy(row["prompt"])
 
 
-def compute_rewards(reward_fns, weights, prompts, completions, completion_ids_list, rows):
-    """r_i = sum_k w_k * reward_k(o_i), over the functions that score o_i.
 
-    A function returns None for a sample it does not apply to (TRL: NaN, then nansum). A sample that no
-    function scores, a function that raises, or a value that is not a finite number stops the run.
-    """
-    rewards = torch.zeros(len(completions))
-    scored = [False] * len(completions)
-    for fn, w in zip(reward_fns, weights):
+def score_completions(reward_fns, prompts, completions, completion_ids_list, rows):
+    """[rows, K] in float64: reward function k's value for completion i, NaN where it returned None. A sample
+    that no function scores, or a value that is not a finite number, stops the run."""
+    table = torch.full((len(completions), len(reward_fns)), math.nan, dtype=torch.float64)
+    for k, fn in enumerate(reward_fns):
         values = call_reward(fn, prompts, completions, completion_ids_list, rows)
         for i, value in enumerate(values):
             if value is None:
@@ -553,13 +753,13 @@ def compute_rewards(reward_fns, weights, prompts, completions, completion_ids_li
                 raise TrainerError(f"reward {fn.__name__} returned {value!r:.40} for sample {i}, not a number")
             if not math.isfinite(number):
                 raise TrainerError(f"reward {fn.__name__} returned {number} for sample {i}, not a finite number")
-            rewards[i] += w * number
-            scored[i] = True
-    if not all(scored):
-        i = scored.index(False)
+            table[i, k] = number
+    unscored = table.isnan().all(1).tolist()
+    if any(unscored):
+        i = unscored.index(True)
         raise TrainerError(f"every reward function returned None for sample {i} (completion "
                            f"{completions[i][:60]!r}): at least one must score it")
-    return rewards
+    return table
 
 
 def call_reward(fn, prompts, completions, completion_ids_list, rows):
@@ -585,22 +785,18 @@ def call_reward(fn, prompts, completions, completion_ids_list, rows):
     return values
 
 
-def compute_advantages(rewards, num_generations, scale_rewards="group", batch_std=None):
-    # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), the std with n - 1 as torch.std (and TRL).
-    # "batch" divides by the std of every rank's rewards (batch_std), "none" does not divide.
-    grouped = rewards.view(-1, num_generations)
-    # A group whose rewards all tie gets exactly 0: the float mean of G copies of 0.2 is not 0.2.
-    tied = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
-    centered = torch.where(tied, 0.0, grouped - grouped.mean(dim=1, keepdim=True))
-    if scale_rewards == "group":
-        centered = centered / (grouped.std(dim=1, keepdim=True) + 1e-4)
-    elif scale_rewards == "batch":
-        if batch_std is None:
-            batch_std = rewards.std()
-        centered = centered / (batch_std + 1e-4)
-    elif scale_rewards != "none":
-        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
-    return centered.reshape(-1)
+
+def reward_names(reward_fns):
+    """Each function's name in the logs, made unique: a second function named f is logged as f_2."""
+    names = []
+    for fn in reward_fns:
+        name = fn.__name__
+        n = 2
+        while name in names:
+            name = f"{fn.__name__}_{n}"
+            n += 1
+        names.append(name)
+    return names
 
 
 def world_sum(*values, device="cpu"):
@@ -612,65 +808,20 @@ def world_sum(*values, device="cpu"):
 
 
 def world_std(values, device="cpu"):
-    # The std (n - 1) of every rank's values: sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)), in float64.
+    return world_mean_and_std(values, device)[1]
+
+
+def world_mean_and_std(values, device="cpu"):
+    # The mean and the std (n - 1) of every rank's values, in float64, from one all-reduce of a sum, a sum of
+    # squares and a count: std = sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)).
     s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(), device=device)
-    return math.sqrt(max(s2 - s * s / n, 0.0) / max(n - 1, 1))
+    return s / max(n, 1), math.sqrt(max(s2 - s * s / max(n, 1), 0.0) / max(n - 1, 1))
+
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Stages 5-7 and 10. Log-probs and entropy, through lm_head a chunk of tokens at a time.
+# Plumbing of stage 7: the decoder's last hidden state, and logits as the model's own forward makes them.
 # ---------------------------------------------------------------------------------------------------------------
-def logps_without_grad(model, input_ids, attention_mask, T, parts, args):
-    """Reference or old log-probs [rows, T]: no graph, one micro-batch at a time like every other pass."""
-    logps = []
-    with torch.no_grad(), autocast(args, input_ids.device):
-        for part in parts:
-            logps.append(completion_logps(model, input_ids[part], attention_mask[part], T,
-                                          temperature=args.temperature, chunk_size=args.logp_chunk_size,
-                                          with_entropy=False)[0])
-    return torch.cat(logps)
-
-
-def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0, chunk_size=0,
-                     entropy_grad=False, with_entropy=True):
-    """Log-probs and entropy of each row's last T tokens, [rows, T] each, and the MoE router loss or None.
-
-    The decoder's last hidden states go through lm_logits chunk_size tokens at a time, so [rows, T, V] logits
-    never exist. With grad, call it with the DDP wrapper: the wrapper's forward is what syncs the gradients.
-    """
-    T = num_completion_tokens
-    # Positions count real tokens only, as generate() counted them under left padding.
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    grad = torch.is_grad_enabled()
-    moe = grad and is_moe(model)
-    # Without grad the bare module is enough, and it skips DDP's buffer broadcast.
-    net = model if grad else unwrap(model)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if moe:
-        inputs["output_router_logits"] = True
-    hidden, out = forward_last_hidden(net, **inputs)
-    aux = out.aux_loss if moe else None
-    # The hidden state before token t predicts token t.
-    hidden = hidden[:, -T - 1:-1, :]
-    targets = input_ids[:, -T:]
-    rows = targets.shape[0]
-    bare = unwrap(model)
-    vocab = bare.get_output_embeddings().weight.shape[0]
-    chunk_size = chunk_size or auto_chunk_tokens(vocab)
-    logps = []
-    entropy = []
-    for h, y in zip(hidden.reshape(rows * T, -1).split(chunk_size), targets.reshape(rows * T).split(chunk_size)):
-        if grad:
-            # Keep only the chunk's inputs; its logits are recomputed in backward.
-            lp, ent = checkpoint(_chunk_logps_entropy, bare, h, y, temperature, entropy_grad, with_entropy,
-                                 use_reentrant=False)
-        else:
-            lp, ent = _chunk_logps_entropy(bare, h, y, temperature, False, with_entropy)
-        logps.append(lp)
-        entropy.append(ent)
-    return torch.cat(logps).view(rows, T), torch.cat(entropy).view(rows, T), aux
-
-
 def is_moe(model):
     return hasattr(unwrap(model).config, "router_aux_loss_coef")
 
@@ -689,20 +840,6 @@ def forward_last_hidden(model, **inputs):
     return caught[0], out
 
 
-def _chunk_logps_entropy(model, hidden, targets, temperature, entropy_grad, with_entropy=True):
-    """One chunk: hidden [c, H] -> logits [c, V], which exist only here -> log-probs [c] and entropy [c]."""
-    logits = lm_logits(model, hidden).float()
-    if temperature != 1.0:
-        # In place, so no second [c, V] tensor exists.
-        logits.div_(temperature)
-    logps = selective_log_softmax(logits, targets)
-    if not with_entropy:
-        return logps, torch.zeros_like(logps.detach())
-    # Only logged, the entropy gets no graph at all. A bonus needs its gradient, recomputed in backward.
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return logps, entropy
-
 
 def lm_logits(model, hidden):
     # z = lm_head(h), then what the model's own forward applies after it. check_output_head refuses the rest.
@@ -717,18 +854,6 @@ def lm_logits(model, hidden):
     return z
 
 
-def selective_log_softmax(logits, index):
-    # log p(o) = z[o] - logsumexp(z), without a [.., V] log-softmax tensor.
-    z = logits.reshape(-1, logits.shape[-1]).float()
-    logps = z.gather(-1, index.reshape(-1, 1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-    return logps.view(index.shape)
-
-
-def entropy_from_logits(logits):
-    # H = logsumexp(z) - sum_v softmax(z)_v * z_v
-    z = logits.float()
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
-
 
 # At a real vocabulary, [rows, T, V] logits would be the largest tensor of a step, so a chunk of fp32 logits is
 # bounded in bytes instead.
@@ -740,117 +865,48 @@ def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
     return max(1, budget_mib * 2**20 // (vocab_size * 4))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Stages 8-9. The objective and its normalization.
-# ---------------------------------------------------------------------------------------------------------------
-def loss_divisor(loss_type, num_rows, micro_rows, N, world, max_gen_len):
-    """D, the divisor of a micro-batch's loss. num_rows: this rank's B*G; micro_rows: the micro-batch's rows;
-    N: masked tokens over all ranks."""
-    if loss_type == "grpo":
-        # D = B*G, after each row is averaged over its own tokens: every sequence weighs the same.
-        return num_rows
-    if loss_type == "bnpo":
-        # D = B*G / micro_rows, after the micro-batch is averaged over its tokens: it weighs its share of the rows.
-        # With S equal micro-batches, D = S.
-        return num_rows / micro_rows
-    if loss_type == "dr_grpo":
-        # D = B*G * L_max, a constant: no bias toward short or long completions.
-        return num_rows * max_gen_len
-    if loss_type in ("dapo", "cispo"):
-        # D = N / world: DDP averages the ranks' gradients, so summed over ranks this is sum L m / N.
-        return max(float(N) / world, 1.0)
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose from {LOSS_TYPES}")
-
-
-def grpo_loss(logps, old_logps, advantages, mask, *, loss_type, epsilon, epsilon_high, divisor, ref_logps=None,
-              beta=0.0, importance_sampling_level="token"):
-    """The per-token objective, normalized: (loss, stats). logps, old_logps, ref_logps, mask: [rows, T];
-    advantages: [rows]. old_logps and ref_logps carry no graph."""
-    assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) has zero gradient"
-    mask = mask.to(logps.dtype)
-    A = advantages.to(logps.dtype).unsqueeze(1)
-    # r = exp(logp - old). Its value is 1 on-policy, and its gradient is r * dlogp because old has no graph.
-    log_ratio = logps - old_logps
-    if importance_sampling_level == "sequence":
-        assert loss_type != "cispo", "GSPO's sequence ratio is for the clipped objective"
-        # GSPO: log s_i = sum_t m (logp - old) / max(sum_t m, 1), the same s_i on every token of o_i.
-        seq_log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
-        log_ratio = seq_log_ratio.expand_as(logps)
-    ratio = torch.exp(log_ratio)
-    if loss_type == "cispo":
-        # L = -sg(min(r, eps_h)) * A * logp: a capped weight without gradient on a REINFORCE term.
-        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
-        clipped = (ratio > epsilon_high) & (A > 0)
-    else:
-        # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
-        per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
-        clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
-    policy_loss = normalize(per_token.detach(), mask, loss_type, divisor)
-    kl_sum = torch.zeros((), device=logps.device)
-    if beta > 0:
-        # k3: KL = exp(ref - logp) - (ref - logp) - 1, added as + beta * KL
-        delta = ref_logps - logps
-        kl = torch.exp(delta) - delta - 1
-        per_token = per_token + beta * kl
-        kl_sum = (kl * mask).sum().detach()
-    loss = normalize(per_token, mask, loss_type, divisor)
-    clipped_tokens = (clipped.to(mask.dtype) * mask).sum()
-    return loss, {"policy_loss": policy_loss, "kl_sum": kl_sum, "clipped_tokens": clipped_tokens}
-
-
-def normalize(per_token, mask, loss_type, divisor):
-    # sum L m / D. grpo first averages each row over its tokens, bnpo the micro-batch over its tokens.
-    total = per_token * mask
-    if loss_type == "grpo":
-        return (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / divisor
-    if loss_type == "bnpo":
-        return total.sum() / mask.sum().clamp(min=1) / divisor
-    return total.sum() / divisor
-
 
 # ---------------------------------------------------------------------------------------------------------------
-# Stages 11, 13 and 14. The entropy coefficient, the update, and the step's memory.
+# Plumbing of stage 14: the step's metrics over all ranks, its time and its memory.
 # ---------------------------------------------------------------------------------------------------------------
-def world_mean(local_sum, local_count, device="cpu"):
-    # H_w = all_reduce(sum H m) / max(all_reduce(sum m), 1)
-    # It is a world sum over a world count, never a mean of per-rank means.
-    # A step in which every token is masked measures 0, as in TRL.
-    total, count = world_sum(local_sum, local_count, device=device)
-    return total / max(count, 1.0)
-
-
-def update_entropy_coef(c, world_entropy, *, target, delta, coef_min, coef_max):
-    # c <- min(c + delta, c_max) if H_w < target else max(c - delta, c_min).
-    # The next step applies alpha = c if H_w < target, else 0. Returns (c, alpha).
-    if world_entropy < target:
-        c = min(c + delta, coef_max)
-        return c, c
-    return max(c - delta, coef_min), 0.0
-
-
-def lr_factor(step, args):
-    # lr * f(s) after s steps that applied an update: f = (s + 1) / (w + 1) during the w warmup steps,
-    # then 1 (constant) or 0.5 * (1 + cos(pi * (s - w) / (max_steps - w))) (cosine).
-    if step < args.warmup_steps:
-        return (step + 1) / (args.warmup_steps + 1)
-    if args.lr_scheduler == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def build_optimizer(policy, args):
-    """AdamW on the policy's float32 weights, and the schedule that sets its learning rate by lr_factor."""
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args))
-    return optimizer, scheduler
-
-
-def clip_grad_norm(model, max_norm):
-    """The global grad norm, with the gradients scaled down to max_norm if above it (0: no clipping)."""
-    if max_norm <= 0:
-        max_norm = math.inf
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+def step_metrics(args, run, batch, state, losses, step_time):
+    """The step's record over all ranks, TRL's names. Every rank has B*G rows, so the world's mean is the sum of
+    the rank means over the world size. With mu > 1 the loss terms are the last update's. The timings and the
+    memory are this rank's; tokens_per_s is the world's tokens over this rank's step time."""
+    device = batch.input_ids.device
+    N = losses["N"]
+    grouped = batch.rewards.view(-1, args.num_generations)
+    rank_means = {"reward": batch.rewards.mean(), "completion_len": batch.completion_len.mean(),
+                  "truncated_frac": batch.truncated.float().mean(),
+                  "frac_reward_zero_std": (grouped.amax(1) == grouped.amin(1)).float().mean(),
+                  "loss": losses["loss"], "policy_loss": losses["policy_loss"]}
+    if is_moe(run.model):
+        rank_means["aux_loss"] = losses["aux"]
+    world_totals = world_sum(*rank_means.values(), device=device)
+    record = {}
+    for name, total in zip(rank_means, world_totals):
+        record[name] = total / run.world
+    if batch.rewards_per_func is not None:
+        # Each function's value before its weight, over every row it scored on every rank (a None does not count).
+        for k, name in enumerate(reward_names(run.reward_fns)):
+            values = batch.rewards_per_func[:, k]
+            mean, std = world_mean_and_std(values[~values.isnan()], device)
+            record[f"rewards/{name}/mean"] = mean
+            record[f"rewards/{name}/std"] = std
+    # The KL and the clipped tokens are token sums, so they are divided by N, the step's masked tokens.
+    kl_sum, clipped, cut, tokens = world_sum(losses["kl"], losses["clipped"], batch.prompts_cut,
+                                             batch.completion_len.sum(), device=device)
+    # The stds are TRL's, over every row of every rank, with n - 1.
+    record.update({"kl": kl_sum / max(N, 1.0), "clip_ratio": clipped / max(N, 1.0),
+                   "reward_std": world_std(batch.rewards, device), "advantage_std": world_std(batch.advantages, device),
+                   "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
+                   "entropy_coef_applied": losses["entropy_coef_applied"], "grad_norm": losses["grad_norm"],
+                   "lr": losses["lr"], "skipped_steps": state.skipped_steps, "truncated_prompts": int(cut)})
+    if run.scaler.is_enabled():
+        record["loss_scale"] = run.scaler.get_scale()
+    record.update({"step_time": step_time, "generate_time": batch.generate_time, "tokens_per_s": tokens / step_time,
+                   "peak_mem_gib": peak_memory_gib(run.device)})
+    return record
 
 
 def reset_peak_memory(device):
@@ -868,18 +924,13 @@ def peak_memory_gib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**30
 
 
-# ===============================================================================================================
-# The GRPO step ends here. Whoever has read to this line has read every line of this file that a step runs, but
-# for the task's reward functions, which the step calls through run.reward_fns. Below is what runs the step: the
-# loop, the warm-up and eval, tasks and datasets, models, torchrun and DDP, flags, checkpoints and logging.
-# ===============================================================================================================
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The loop.
 # ---------------------------------------------------------------------------------------------------------------
-def train(args, rank, world, device):
-    """Set up, start or resume, then one grpo_step per step, with eval, logging and checkpoints."""
+def train(args, rank, world, device, collect=None):
+    """Set up, start or resume, then one grpo_step per step, with eval, logging and checkpoints. `collect` is
+    grpo_step's: None samples from the policy."""
     started = time.time()
     ckpt = checkpoint_to_resume(args)
     resumes_here = ckpt is not None and os.path.abspath(os.path.dirname(os.path.normpath(ckpt))) == os.path.abspath(
@@ -893,7 +944,7 @@ def train(args, rank, world, device):
     # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
     # The task first, so that a problem with the dataset stops the run before a model loads.
-    train_rows, eval_rows, reward_fns, weights, score, eval_key = load_task(args, world)
+    train_rows, eval_rows, reward_fns, weights, eval_key = load_task(args, world)
     policy, tokenizer = load_model_and_tokenizer(args, device)
     if rank == 0:
         print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never trained on")
@@ -912,9 +963,8 @@ def train(args, rank, world, device):
     run = Run(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer,
                       reward_fns, weights, world, device)
 
-    metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
     if ckpt:
-        state = resume(args, ckpt, run, rank, metrics_path)
+        state = resume(args, ckpt, run, rank)
         report, close_report = open_report(args, rank, resumed_at=state.step)
     else:
         state = TrainState.initial(args)
@@ -923,12 +973,13 @@ def train(args, rank, world, device):
         torch.manual_seed(args.seed + 1 + rank)
         random.seed(args.seed + 1 + rank)
         if rank == 0:
-            open(metrics_path, "w").close()
+            for name in ("metrics.jsonl", "completions.jsonl"):
+                open(os.path.join(args.save_dir, name), "w").close()
         if args.eval_interval > 0:
-            accuracy = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
-            log_metrics(metrics_path, {"step": 0, eval_key: accuracy}, rank, report)
+            record, samples = evaluate(args, run, eval_rows, eval_key, rank, step=0)
+            log_step(args, {"step": 0, **record}, samples, rank, report)
             if rank == 0:
-                print(f"{eval_key} before GRPO: {accuracy:.3f}")
+                print(f"{eval_key} before GRPO: {record[eval_key]:.3f}")
 
     model.train()
     bar = tqdm(range(state.step + 1, args.max_steps + 1), initial=state.step, total=args.max_steps,
@@ -938,12 +989,18 @@ def train(args, rank, world, device):
         state.step = step
         prompt_rows = next_prompts(prompt_order, train_rows, state, args.batch_size)
         try:
-            record = {"step": step, **grpo_step(args, run, prompt_rows, state)}
+            metrics, batch = grpo_step(args, run, prompt_rows, state, collect)
+            record = {"step": step, **metrics}
+            samples = []
+            if args.log_completions and rank == 0:
+                samples = batch_samples(step, batch, run)
             if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
-                record[eval_key] = evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device)
+                eval_record, eval_samples = evaluate(args, run, eval_rows, eval_key, rank, step)
+                record.update(eval_record)
+                samples += eval_samples
         except RewardError as e:
             raise RewardError(f"{e} at step {step}") from e.__cause__
-        log_metrics(metrics_path, record, rank, report)
+        log_step(args, record, samples, rank, report)
         bar.set_postfix(reward=f"{record['reward']:.3f}", eval=record.get(eval_key, ""))
         if record["truncated_prompts"] and not warned_cut and rank == 0:
             print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} lose their start")
@@ -963,12 +1020,12 @@ def train(args, rank, world, device):
         shutil.rmtree(where, ignore_errors=True)
         shutil.copytree(ckpt, where, ignore=shutil.ignore_patterns("*.pt"))
     if rank == 0:
-        print(summary(args, state, metrics_path, eval_key, started) + f"; model: {where}")
+        print(summary(args, state, eval_key, started) + f"; model: {where}")
     if close_report is not None:
         close_report()
     barrier()
-    return {"model": policy, "step": state.step, "c": state.c, "alpha": state.alpha,
-            "world_entropy": state.world_entropy}
+    return {"model": policy, "step": state.step, "entropy_coef": state.entropy_coef,
+            "entropy_coef_applied": state.entropy_coef_applied, "world_entropy": state.world_entropy}
 
 
 def next_prompts(prompt_order, train_rows, state, batch_size):
@@ -1039,25 +1096,44 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, eval_rows, score, args, rank, world, device, per_call=0):
-    """The mean of score() over greedy completions of the held-out rows, over all ranks. A generate call holds at
-    most as many rows as a rollout (B*G) unless `per_call` says otherwise."""
+def evaluate(args, run, eval_rows, eval_key, rank, step, per_call=0):
+    """Greedy completions of the held-out rows, scored by the task's rewards over all ranks: the eval's metrics
+    (eval_key's mean and each function's, eval_rewards/<name>/mean) and, on rank 0, its rows for
+    completions.jsonl. A generate call holds at most as many rows as a rollout (B*G) unless `per_call` says so."""
     per_call = per_call or args.batch_size * args.num_generations
-    mine = eval_rows[rank::world]
+    policy = unwrap(run.model)
+    tokenizer = run.tokenizer
+    mine = eval_rows[rank::run.world]
     total = 0.0
+    tables = [torch.zeros((0, len(run.reward_fns)), dtype=torch.float64)]
+    samples = []
     for start in range(0, len(mine), per_call):
         rows = mine[start:start + per_call]
         texts = [render_prompt(tokenizer, row) for row in rows]
-        ids, prompt_mask, _ = tokenize_prompts(tokenizer, texts, args.max_prompt_len, device)
-        with autocast(args, device):
+        ids, prompt_mask, _ = tokenize_prompts(tokenizer, texts, args.max_prompt_len, run.device)
+        with autocast(args, run.device):
             completion_ids, mask, _ = rollout(policy, ids, prompt_mask, tokenizer, max_gen_len=args.max_gen_len,
-                                              do_sample=False, static_cache=torch.device(device).type == "cuda")
+                                              do_sample=False, static_cache=torch.device(run.device).type == "cuda")
         token_ids = completion_token_ids(completion_ids, mask)
         completions = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
         prompts = [reward_prompt(row, text) for row, text in zip(rows, texts)]
-        total += sum(score(prompts, completions, token_ids, rows))
-    total, count = world_sum(total, len(mine), device=device)
-    return total / max(count, 1)
+        table = score_completions(run.reward_fns, prompts, completions, token_ids, rows)
+        rewards = compute_rewards(table, run.weights)
+        scores = rewards
+        if eval_key == "eval_accuracy":
+            # The task's first reward checks correctness, and gives exactly 1.0 to a right answer.
+            scores = (table[:, 0] == 1.0).float()
+        total += sum(scores.tolist())
+        tables.append(table)
+        if rank == 0:
+            samples += completion_samples(step, "eval", run, ids, prompt_mask, completions, table, rewards)
+    total, count = world_sum(total, len(mine), device=run.device)
+    record = {eval_key: total / max(count, 1)}
+    table = torch.cat(tables)
+    for k, name in enumerate(reward_names(run.reward_fns)):
+        values = table[:, k]
+        record[f"eval_rewards/{name}/mean"] = world_mean_and_std(values[~values.isnan()], run.device)[0]
+    return record, samples
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1201,7 +1277,7 @@ def load_reward_funcs(spec):
 
 
 def load_task(args, world):
-    """Train rows, held-out rows, the reward functions and weights, and the eval's score function and name."""
+    """Train rows, held-out rows, the reward functions and weights, and the name of the eval's score."""
     if not args.dataset:
         train_rows, eval_rows = make_reverse_task(args.eval_size)
     elif args.dataset == "compare_numbers":
@@ -1209,7 +1285,6 @@ def load_task(args, world):
     else:
         train_rows, eval_rows = load_rows(args)
     reward_fns, weights = task_rewards(args)
-    is_correct = reward_fns[0]
     built_in = args.dataset in ("", "compare_numbers", "gsm8k")
     if not built_in and not args.reward_funcs and not all(is_gsm8k_row(row) for row in train_rows):
         raise TrainerError(f"--dataset {args.dataset}: its rows are not GSM8K's (a 'question', and an 'answer' "
@@ -1224,15 +1299,9 @@ def load_task(args, world):
                            f"{args.batch_size * world}")
     if not eval_rows:
         args.eval_interval = 0
-
-    def score(prompts, completions, completion_ids, rows):
-        # Your rewards: their weighted sum. The task's: 1 where its correctness reward gives exactly 1.0.
-        if args.reward_funcs:
-            return compute_rewards(reward_fns, weights, prompts, completions, completion_ids, rows).tolist()
-        values = call_reward(is_correct, prompts, completions, completion_ids, rows)
-        return [float(v == 1.0) for v in values]
+    # The eval scores your rewards by their weighted sum, a task's by its correctness reward alone.
     eval_key = "eval_reward" if args.reward_funcs else "eval_accuracy"
-    return train_rows, eval_rows, reward_fns, weights, score, eval_key
+    return train_rows, eval_rows, reward_fns, weights, eval_key
 
 
 def is_gsm8k_row(row):
@@ -1408,6 +1477,23 @@ def barrier():
 # ---------------------------------------------------------------------------------------------------------------
 # Flags. A problem with the input is one line `error: ...`, before any work.
 # ---------------------------------------------------------------------------------------------------------------
+# A real model starts from a real run's sizes, never the toy's 8 new tokens and lr 2e-4. A flag you type wins.
+# On a GPU it also recomputes each layer in backward, because there memory is the limit; on a CPU it rarely is.
+REAL_MODEL_DEFAULTS = dict(batch_size=8, micro_batch_size=8, max_prompt_len=512, max_gen_len=512,
+                           learning_rate=1e-6, max_steps=500, eval_interval=50)
+REAL_MODEL_GPU_DEFAULTS = dict(gradient_checkpointing=1)
+
+# A built-in task's own sizes win over those. compare_numbers is sized for SmolLM2-135M on a 2-core CPU.
+TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, max_gen_len=8, max_prompt_len=128, learning_rate=2e-5,
+                                         max_steps=40, eval_interval=10, eval_size=200)}
+
+# A resumed run takes its flags from its checkpoint's args.json. A flag typed at --resume may change how long it
+# runs (not under a cosine schedule), how often it saves and evaluates, where it writes and logs, whether layers are
+# recomputed in backward, and whether remote code may load; any other must match, as it changes what is computed.
+RESUME_MAY_CHANGE = ("max_steps", "save_interval", "eval_interval", "stop_after", "report_to", "run_name",
+                     "save_dir", "resume", "gradient_checkpointing", "trust_remote_code")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="GRPO trainer in one file (README.md)",
@@ -1646,7 +1732,7 @@ def load_weights(model, ckpt, trust_remote_code=False):
     model.load_state_dict(saved)
 
 
-def resume(args, ckpt, run, rank, metrics_path):
+def resume(args, ckpt, run, rank):
     """Restore everything a checkpoint holds, this rank's RNG too, and trim the log back to it."""
     load_weights(unwrap(run.model), ckpt, trust_remote_code=bool(args.trust_remote_code))
 
@@ -1663,34 +1749,91 @@ def resume(args, ckpt, run, rank, metrics_path):
     state = TrainState(**saved)
     set_rng_state(load(f"rng_state_{rank}.pt"))
     if rank == 0:
-        kept = []
-        if os.path.exists(metrics_path):
-            kept = [line for line in open(metrics_path) if json.loads(line).get("step", 0) <= state.step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
+        for name in ("metrics.jsonl", "completions.jsonl"):
+            trim_log(os.path.join(args.save_dir, name), state.step)
         print(f"resumed from {ckpt} at step {state.step}")
     return state
+
+
+def trim_log(path, step):
+    """Keep the lines of a log up to `step`, so that a resumed run logs no step twice."""
+    kept = []
+    if os.path.exists(path):
+        kept = [line for line in open(path) if json.loads(line).get("step", 0) <= step]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Logging.
 # ---------------------------------------------------------------------------------------------------------------
-def log_metrics(metrics_path, record, rank, report=None):
-    """Rank 0 appends the record to metrics.jsonl and hands it to --report_to's logger, if any."""
+def log_step(args, record, samples, rank, report=None):
+    """Rank 0 appends the step's record to metrics.jsonl and its completions to completions.jsonl, prints a few of
+    the eval's, and hands both to --report_to's logger, if any."""
     if rank != 0:
         return
-    with open(metrics_path, "a") as f:
+    with open(os.path.join(args.save_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
+    with open(os.path.join(args.save_dir, "completions.jsonl"), "a") as f:
+        for sample in samples:
+            f.write(json.dumps(sample) + "\n")
+    shown = [sample for sample in samples if sample["split"] == "eval"][:args.num_completions_to_print]
+    for sample in shown:
+        # Model text is shown escaped and cut, so a control character or a long completion cannot garble the console.
+        tqdm.write(f"  step {sample['step']} held-out {printable(sample['prompt'], 40, tail=True)} -> "
+                   f"{printable(sample['completion'])}, reward {sample['reward']:.3f}")
     if report is not None:
-        report(record)
+        report(record, samples)
+
+
+def printable(text, limit=60, tail=False):
+    """Model text for the console in quotes: control characters escaped, at most `limit` characters (a prompt
+    keeps its end, where the question is)."""
+    escaped = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    if len(escaped) > limit and tail:
+        escaped = "..." + escaped[-limit:]
+    elif len(escaped) > limit:
+        escaped = escaped[:limit] + "..."
+    return f"'{escaped}'"
+
+
+def batch_samples(step, batch, run):
+    """This rank's training rows for completions.jsonl, decoded from the Batch, each completion up to its EOS."""
+    T = batch.completion_mask.shape[1]
+    P = batch.input_ids.shape[1] - T
+    kept = torch.arange(T, device=batch.input_ids.device) < batch.completion_len.unsqueeze(1)
+    completion_ids = completion_token_ids(batch.input_ids[:, P:], kept)
+    completions = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return completion_samples(step, "train", run, batch.input_ids[:, :P], batch.attention_mask[:, :P], completions,
+                              batch.rewards_per_func, batch.rewards, batch.advantages)
+
+
+def completion_samples(step, split, run, prompt_ids, prompt_mask, completions, rewards_per_func, rewards,
+                       advantages=None):
+    """A line of completions.jsonl per row of rank 0: the prompt as the policy read it (its tokens, the padding
+    left out), the completion as the rewards read it, each reward's value before its weight (None where it
+    returned None), the total reward and the advantage (None at an eval)."""
+    names = reward_names(run.reward_fns)
+    samples = []
+    for i, completion in enumerate(completions):
+        values = {}
+        for k, name in enumerate(names):
+            value = None if rewards_per_func is None else rewards_per_func[i, k].item()
+            values[name] = None if value is None or math.isnan(value) else value
+        samples.append({"step": step, "split": split, "rank": 0,
+                        "prompt": run.tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()]),
+                        "completion": completion, "rewards": values, "reward": rewards[i].item(),
+                        "advantage": None if advantages is None else advantages[i].item()})
+    return samples
 
 
 def open_report(args, rank, resumed_at=None):
-    """--report_to's (send(record), close()) on rank 0, else (None, None). A resumed run continues its run:
-    TensorBoard drops the points after the checkpoint, and wandb reopens the run by the id in save_dir."""
+    """--report_to's (send(record, samples), close()) on rank 0, else (None, None). A resumed run continues its
+    run: TensorBoard drops the points after the checkpoint, and wandb reopens the run by the id in save_dir."""
     if args.report_to == "none" or rank != 0:
         return None, None
     name = args.run_name or os.path.basename(os.path.normpath(args.save_dir))
+    columns = ["step", "split", "prompt", "completion", "rewards", "reward", "advantage"]
     if args.report_to == "wandb":
         import wandb
         id_file = os.path.join(args.save_dir, "wandb_run_id")
@@ -1698,26 +1841,37 @@ def open_report(args, rank, resumed_at=None):
             with open(id_file, "w") as f:
                 # Not from the seeded generators, which would then differ from an unlogged run.
                 f.write(os.urandom(4).hex())
-        run = wandb.init(project="train_grpo", name=name, dir=args.save_dir, resume="allow",
-                         config=dataclasses.asdict(args), id=open(id_file).read().strip())
+        wandb_run = wandb.init(project="train_grpo", name=name, dir=args.save_dir, resume="allow",
+                               config=dataclasses.asdict(args), id=open(id_file).read().strip())
 
-        def send_to_wandb(record):
-            run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        return send_to_wandb, run.finish
+        def send_to_wandb(record, samples):
+            logged = {k: v for k, v in record.items() if k != "step"}
+            if samples:
+                rows = [[json.dumps(sample[c]) if c == "rewards" else sample[c] for c in columns] for sample in samples]
+                logged["completions"] = wandb.Table(columns=columns, data=rows)
+            wandb_run.log(logged, step=record["step"])
+        return send_to_wandb, wandb_run.finish
     from torch.utils.tensorboard import SummaryWriter
     purge_step = None if resumed_at is None else resumed_at + 1
     writer = SummaryWriter(os.path.join(args.save_dir, "tensorboard", name), purge_step=purge_step)
 
-    def send_to_tensorboard(record):
+    def send_to_tensorboard(record, samples):
         for k, v in record.items():
             if k != "step":
                 writer.add_scalar(k, v, record["step"])
+        if samples:
+            # A markdown table, which TensorBoard's text tab shows as a table.
+            lines = ["| " + " | ".join(columns[1:]) + " |", "|" + " --- |" * (len(columns) - 1)]
+            for sample in samples:
+                cells = [printable(str(sample[c]), 200)[1:-1].replace("|", "\\|") for c in columns[1:]]
+                lines.append("| " + " | ".join(cells) + " |")
+            writer.add_text("completions", "\n".join(lines), record["step"])
         writer.flush()
     return send_to_tensorboard, writer.close
 
 
-def summary(args, state, metrics_path, eval_key, started):
-    records = [json.loads(line) for line in open(metrics_path)]
+def summary(args, state, eval_key, started):
+    records = [json.loads(line) for line in open(os.path.join(args.save_dir, "metrics.jsonl"))]
     evals = [(r["step"], r[eval_key]) for r in records if eval_key in r]
     held_out = "no held-out eval"
     if evals:
@@ -1733,7 +1887,8 @@ def summary(args, state, metrics_path, eval_key, started):
 THREADS_AT_IMPORT = torch.get_num_threads()
 
 
-def main(argv=None):
+def main(argv=None, collect=None):
+    """Parse the flags and run. `collect(args, run, prompt_rows)`, if given, replaces collect_batch in every step."""
     args = parse_args(argv)
     threads = torch.get_num_threads()
     try:
@@ -1743,7 +1898,7 @@ def main(argv=None):
         if not args.model_name_or_path and "OMP_NUM_THREADS" not in os.environ and threads == THREADS_AT_IMPORT:
             torch.set_num_threads(1)
         rank, world, device = setup_distributed(args)
-        return train(args, rank, world, device)
+        return train(args, rank, world, device, collect)
     except BaseException as e:
         # An error's traceback holds train's frame, and so the DDP wrapper. The wrapper must be freed while its
         # process group exists: freed after, it destroys the gloo group holding the GIL, which can hang the rank.

@@ -70,7 +70,7 @@ def one_variant(variant, rows, T, device):
             else:
                 with torch.no_grad():
                     entropy = tg.entropy_from_logits(logits.detach())
-        loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
+        loss, _ = tg.policy_objective(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
                                divisor=rows)
         _ = (entropy * mask).sum().item()                                        # logged
     loss.backward()

@@ -30,11 +30,10 @@ def main():
     model, tok = tg.load_model_and_tokenizer(args, torch.device("cpu"))
     train_rows, eval_rows = tg.make_compare_task(args.eval_size)
 
-    def score(prompts, completions, completion_ids, rows):   # the trainer's eval_accuracy: exactly 1.0 counts
-        return [float(v == 1.0) for v in tg.compare_correct_reward(completions, [r["answer"] for r in rows])]
+    run = tg.Run(model, None, None, None, None, tok, [tg.compare_correct_reward], [1.0], 1, torch.device("cpu"))
 
-    def accuracy():
-        return tg.evaluate(model, tok, eval_rows, score, args, 0, 1, torch.device("cpu"))
+    def accuracy():   # the trainer's eval_accuracy: the correctness reward's exactly 1.0 counts
+        return tg.evaluate(args, run, eval_rows, "eval_accuracy", 0, step=0)[0]["eval_accuracy"]
 
     before = accuracy()
     config = GRPOConfig(

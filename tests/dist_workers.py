@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.distributed as dist
 
-from helpers import make_run, sample_batch, tg, tiny
+from helpers import evaluate_with, make_run, sample_batch, tg, tiny
 
 
 def suite(rank, world, out_dir, jobs, ports):
@@ -61,7 +61,7 @@ def train(rank, world, argv, out_dir, bypass_ddp=False, tag="train"):
     with patched(**stand_ins):
         res = tg.main(argv)
     torch.save({"params": {k: v.clone() for k, v in res["model"].state_dict().items()}, "prompts": prompts_seen,
-                "entropy_coef": res["c"], "entropy_coef_applied": res["alpha"]},
+                "entropy_coef": res["entropy_coef"], "entropy_coef_applied": res["entropy_coef_applied"]},
                os.path.join(out_dir, f"{tag}_{rank}.pt"))
 
 
@@ -130,7 +130,7 @@ def moe_empty_expert(rank, world, out_dir):
     used.clear()
     logps, _, aux = tg.completion_logps(ddp, input_ids, attn, comp.shape[1])
     adv = torch.randn(logps.shape[0], generator=torch.Generator().manual_seed(rank))
-    loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
+    loss, _ = tg.policy_objective(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
                            divisor=mask.shape[0])
     (loss + model.config.router_aux_loss_coef * aux).backward()
     router_grad = model.model.layers[0].mlp.gate.weight.grad.abs().sum().item()
@@ -172,7 +172,7 @@ def loop_step_grads(rank, world, out_dir):
         run = make_run(ddp, tok, optimizer, world, reward_fns=[tg.reverse_reward], weights=[1.0],
                        scheduler=scheduler)
         with patched(rollout=lambda *a, **k: seen.setdefault("rollout", (a[1], a[2], *real(*a, **k)))[2:]):
-            tg.grpo_step(args, run, rows, tg.TrainState())
+            tg.grpo_step(args, run, rows, tg.TrainState())[0]
         prompt_ids, prompt_mask, comp, mask, *_ = seen["rollout"]
         out[loss_type] = {"grads": seen["grads"], "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                           "comp": comp, "mask": mask, "answers": [r["answer"] for r in rows for _ in range(4)]}
@@ -210,10 +210,10 @@ def eval_uneven(rank, world, out_dir):
     rows = [{"prompt": "abc=", "answer": "cba", "i": i} for i in range(5)]
     scored = []
 
-    def score(prompts, completions, completion_ids, rows):
-        scored.extend(r["i"] for r in rows)
-        return [float(r["i"]) for r in rows]
-    acc = tg.evaluate(model, tok, rows, score, tg.Args(max_gen_len=2), rank, world, "cpu", per_call=2)
+    def score(completions, i, **kwargs):
+        scored.extend(i)
+        return [float(x) for x in i]
+    acc = evaluate_with(model, tok, rows, score, tg.Args(max_gen_len=2), rank, world, per_call=2)
     gathered = [None, None]
     dist.all_gather_object(gathered, scored)
     torch.save({"accuracy": acc, "scored": sorted(gathered[0] + gathered[1])},
@@ -288,7 +288,7 @@ def world_quantities(rank, world, out_dir):
         kl = torch.exp(delta) - delta - 1  # k3, by hand
     no_eos = mask.sum(1) == T  # the rows that ran to the end without an EOS
     seen = {"batch_std": [], "num_items": [], "local_loss": [], "local_policy_loss": [], "forwards": 0}
-    real = {k: getattr(tg, k) for k in ("compute_advantages", "grpo_loss", "loss_divisor", "completion_logps")}
+    real = {k: getattr(tg, k) for k in ("compute_advantages", "policy_objective", "loss_divisor", "completion_logps")}
     step = [1]
 
     def compute_advantages(rewards, G, scale, batch_std):
@@ -302,8 +302,8 @@ def world_quantities(rank, world, out_dir):
         seen["num_items"].append(N)
         return real["loss_divisor"](loss_type, rows, S, N, *a)
 
-    def grpo_loss(*a, **k):
-        loss, stats = real["grpo_loss"](*a, **k)
+    def policy_objective(*a, **k):
+        loss, stats = real["policy_objective"](*a, **k)
         seen["local_loss"].append(loss.item())
         seen["local_policy_loss"].append(stats["policy_loss"].item())
         return loss, stats
@@ -311,9 +311,10 @@ def world_quantities(rank, world, out_dir):
     def completion_logps(*a, **k):
         seen["forwards"] += step[0] == 1 and torch.is_grad_enabled()
         return real["completion_logps"](*a, **k)
-    stand_ins = dict(compute_advantages=compute_advantages, grpo_loss=grpo_loss, completion_logps=completion_logps,
+    stand_ins = dict(compute_advantages=compute_advantages, policy_objective=policy_objective, completion_logps=completion_logps,
                      loss_divisor=loss_divisor, tokenize_prompts=lambda *a, **k: (ids[:, :P], am[:, :P], rank + 1),
                      rollout=lambda *a, **k: (ids[:, P:], mask, no_eos),
+                     score_completions=lambda *a, **k: torch.zeros(8, 0, dtype=torch.float64),
                      compute_rewards=lambda *a, **k: rewards.clone())
     args = tg.parse_args(["--loss_type", "dapo", "--scale_rewards", "batch", "--batch_size", "2",
                           "--num_generations", str(G), "--micro_batch_size", "2", "--beta", "0.04"])
@@ -322,7 +323,7 @@ def world_quantities(rank, world, out_dir):
     run.ref_model = ref
     state = tg.TrainState()
     with patched(**stand_ins):
-        record = tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
+        record, _ = tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
         out = {"world_entropy": state.world_entropy, "skipped_after_1": state.skipped_steps,
                "record": {k: v for k, v in record.items() if isinstance(v, (int, float))}}
         before = [p.detach().clone() for p in model.parameters()]

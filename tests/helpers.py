@@ -197,12 +197,13 @@ def step_on_batch(args, run, batch, state=None):
     stand_ins = dict(
         tokenize_prompts=lambda *a, **k: (batch["input_ids"][:, :P], batch["attention_mask"][:, :P], 0),
         rollout=lambda *a, **k: (batch["input_ids"][:, P:], batch["mask"], torch.zeros(rows, dtype=torch.bool)),
+        score_completions=lambda *a, **k: torch.zeros(rows, 0, dtype=torch.float64),
         compute_rewards=lambda *a, **k: torch.zeros(rows), compute_advantages=lambda *a, **k: batch["advantages"])
     real = {k: getattr(tg, k) for k in stand_ins}
     for k, v in stand_ins.items():
         setattr(tg, k, v)
     try:
-        record = tg.grpo_step(args, run, [{"prompt": ""}] * (rows // args.num_generations), state or tg.TrainState())
+        record, _ = tg.grpo_step(args, run, [{"prompt": ""}] * (rows // args.num_generations), state or tg.TrainState())
     finally:
         for k, v in real.items():
             setattr(tg, k, v)
@@ -217,3 +218,14 @@ def make_run(model, tok=None, optimizer=None, world=1, fp16=False, reward_fns=()
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     return tg.Run(model, None, optimizer, scheduler, scaler, tok, list(reward_fns), list(weights), world,
                       torch.device("cpu"))  # grpo_step reads device.type
+
+
+def rewards_of_functions(fns, weights, prompts, completions, completion_ids, rows):
+    """r as collect_batch computes it: each function's values (score_completions), then their weighted sum."""
+    return tg.compute_rewards(tg.score_completions(fns, prompts, completions, completion_ids, rows), weights)
+
+
+def evaluate_with(model, tok, rows, reward, args, rank=0, world=1, per_call=0):
+    """tg.evaluate of `model` on `rows`, scored by one reward function of weight 1: its eval_reward."""
+    run = make_run(model, tok, world=world, reward_fns=[reward], weights=[1.0])
+    return tg.evaluate(args, run, rows, "eval_reward", rank, step=0, per_call=per_call)[0]["eval_reward"]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from helpers import tg
+from helpers import rewards_of_functions, tg
 from test_real_path import CHAT_TEMPLATE, one_thread, save_tiny  # noqa: F401  (one_thread: autouse)
 
 REAL = ["--batch_size", "2", "--num_generations", "2", "--max_gen_len", "6", "--eval_interval", "0"]
@@ -229,10 +229,10 @@ def test_a_dataset_column_may_be_named_like_the_callers_own_argument():
     def batched(completions, fn, **kwargs):
         return [float(x) for x in fn]
     rows = [{"prompt": "p", "answer": "a", "fn": 2}]
-    assert tg.compute_rewards([batched], [1.0], ["p"], ["c"], [[1]], rows).tolist() == [2.0]
+    assert rewards_of_functions([batched], [1.0], ["p"], ["c"], [[1]], rows).tolist() == [2.0]
     # ... but a column named like one of TRL's own arguments is an error naming it, as in TRL (never overwritten)
     with pytest.raises(tg.TrainerError, match="multiple values for keyword argument 'prompts'"):
-        tg.compute_rewards([batched], [1.0], ["p"], ["c"], [[1]], [{"prompt": "p", "prompts": "x", "fn": 1}])
+        rewards_of_functions([batched], [1.0], ["p"], ["c"], [[1]], [{"prompt": "p", "prompts": "x", "fn": 1}])
 
 
 
@@ -245,7 +245,7 @@ def test_columns_named_completion_or_completion_ids_are_left_out_as_in_trl():
         seen.update(completions=completions, completion_ids=completion_ids, columns=sorted(columns))
         return [1.0]
     rows = [{"prompt": "p", "completion": "from the dataset", "completion_ids": [9, 9], "answer": "a"}]
-    assert tg.compute_rewards([record], [1.0], ["p"], ["generated"], [[4, 5]], rows).tolist() == [1.0]
+    assert rewards_of_functions([record], [1.0], ["p"], ["generated"], [[4, 5]], rows).tolist() == [1.0]
     assert seen == {"completions": ["generated"], "completion_ids": [[4, 5]], "columns": ["answer"]}
 
 
@@ -262,7 +262,7 @@ def test_a_reward_that_edits_a_column_changes_neither_the_rows_nor_the_other_sam
     row = {"prompt": "p", "meta": {"tags": ["a"]}}
     rows = [row, row]                                   # G = 2 samples of one row, as grpo_step repeats it
     for _ in range(2):
-        tg.compute_rewards([edits], [1.0], ["p", "p"], ["x", "y"], [[1], [2]], rows)
+        rewards_of_functions([edits], [1.0], ["p", "p"], ["x", "y"], [[1], [2]], rows)
     assert seen == [[["a"], ["a"]], [["a"], ["a"]]]
     assert row == {"prompt": "p", "meta": {"tags": ["a"]}}
 

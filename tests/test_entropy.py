@@ -105,7 +105,7 @@ def test_chunked_path_equals_full_logits_path(use_moe, alpha):
     adv = torch.randn(comp.shape[0], generator=torch.Generator().manual_seed(3))
     logps, ent, aux = tg.completion_logps(model, input_ids, attn, comp.shape[1], chunk_size=2,
                                           entropy_grad=alpha != 0)
-    loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
+    loss, _ = tg.policy_objective(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
                            divisor=mask.shape[0])
     loss = loss - alpha * (ent * mask).sum() / mask.sum()  # the bonus as grpo_step adds it (S = 1)
     if use_moe:

@@ -22,7 +22,7 @@ import re
 import pytest
 import torch
 
-from helpers import make_run, tg, tiny
+from helpers import evaluate_with, make_run, tg, tiny
 from test_real_path import one_thread  # noqa: F401  (an autouse fixture)
 
 
@@ -44,7 +44,7 @@ def one_step(**flags):
     args = tg.parse_args([a for k, v in settings.items() for a in (f"--{k}", str(v))])
     torch.manual_seed(0)                      # fixed: --seed acts in train(), tested through main below
     model, tok = tg.load_model_and_tokenizer(args, torch.device("cpu"))
-    train_rows, _, reward_fns, weights, _, _ = tg.load_task(args, 1)
+    train_rows, _, reward_fns, weights, _ = tg.load_task(args, 1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ref = tg.frozen_copy(model, getattr(torch, args.dtype)) if args.beta > 0 else None
     optimizer, scheduler = tg.build_optimizer(model, args)
@@ -71,7 +71,7 @@ def one_step(**flags):
     try:
         run = make_run(model, tok, optimizer, reward_fns=reward_fns, weights=weights, scheduler=scheduler)
         run.ref_model, run.scaler = ref, tg.loss_scaler(args.dtype, "cpu")  # the trainer's own rule
-        record = tg.grpo_step(args, run, train_rows[:args.batch_size], state)
+        record, _ = tg.grpo_step(args, run, train_rows[:args.batch_size], state)
     finally:
         tg.rollout, tg.lm_logits, tg.completion_logps = real_rollout, real_head, real_logps
     record["lr_next"] = scheduler.get_last_lr()[0]             # the step moved the schedule
@@ -146,15 +146,15 @@ FLAGS = {
     # entropy
     "logp_chunk_size": [step(7, lambda d, f: max(f.calls["lm_logits"]) == 7 and max(d.calls["lm_logits"]) > 7)],
     "entropy_coef": [step(0.5, lambda d, f: f.record["loss"] != d.record["loss"] and update_differs(d, f))],
-    "use_adaptive_entropy": [step(1, lambda d, f: f.state.c != d.state.c,
+    "use_adaptive_entropy": [step(1, lambda d, f: f.state.entropy_coef != d.state.entropy_coef,
                                   entropy_target=9.0)],
-    "entropy_target": [step(9.0, lambda d, f: f.state.c > 0.002 > d.state.c,
+    "entropy_target": [step(9.0, lambda d, f: f.state.entropy_coef > 0.002 > d.state.entropy_coef,
                             use_adaptive_entropy=1, entropy_coef=0.002)],  # H ~2.4: below 9, above 0.2
-    "entropy_coef_delta": [step(1e-3, lambda d, f: f.state.c == pytest.approx(1e-3),
+    "entropy_coef_delta": [step(1e-3, lambda d, f: f.state.entropy_coef == pytest.approx(1e-3),
                                 use_adaptive_entropy=1, entropy_target=9.0)],
-    "entropy_coef_min": [step(0.001, lambda d, f: f.state.c == pytest.approx(0.001),
+    "entropy_coef_min": [step(0.001, lambda d, f: f.state.entropy_coef == pytest.approx(0.001),
                               use_adaptive_entropy=1, entropy_target=0.0)],
-    "entropy_coef_max": [step(5e-5, lambda d, f: f.state.c == pytest.approx(5e-5),
+    "entropy_coef_max": [step(5e-5, lambda d, f: f.state.entropy_coef == pytest.approx(5e-5),
                               use_adaptive_entropy=1, entropy_target=9.0)],
     # optimization
     "max_steps": [step(4, lambda d, f: f.record["lr_next"] != d.record["lr_next"], lr_scheduler="cosine")],
@@ -231,7 +231,8 @@ def test_held_out_evaluation_decodes_greedily():
     model, tok = tiny(seed=2)
     rows = [{"prompt": p, "answer": ""} for p in ("abc=", "hgfedcba=", "ba=", "cabde=")]
     texts = []
-    tg.evaluate(model, tok, rows, lambda prompts, t, ids, r: texts.extend(t) or [0.0] * len(t), tg.Args(max_gen_len=4), 0, 1, "cpu")
+    evaluate_with(model, tok, rows, lambda completions, **k: texts.extend(completions) or [0.0] * len(completions),
+                  tg.Args(max_gen_len=4))
     for row, text in zip(rows, texts):  # by hand: append the argmax token, one at a time, until EOS
         ids = tok(row["prompt"], add_special_tokens=False, return_tensors="pt").input_ids
         out = []

@@ -48,17 +48,17 @@ def test_reference_and_old_log_probs_run_one_micro_batch_at_a_time(tmp_path, mon
     reference and old ones included, holds more than a micro-batch, and the reference and old log-probs the loss
     receives equal one full-batch forward of the policy that sampled (an independent computation)."""
     calls, losses, rollouts = [], [], []
-    real_logps, real_loss = tg.completion_logps, tg.grpo_loss
+    real_logps, real_loss = tg.completion_logps, tg.policy_objective
 
     def completion_logps(model, input_ids, *a, **k):
         calls.append((input_ids.shape[0], torch.is_grad_enabled()))
         return real_logps(model, input_ids, *a, **k)
 
-    def grpo_loss(logps, old, adv, mask, **k):
+    def policy_objective(logps, old, adv, mask, **k):
         losses.append((old, k["ref_logps"]))
         return real_loss(logps, old, adv, mask, **k)
     monkeypatch.setattr(tg, "completion_logps", completion_logps)
-    monkeypatch.setattr(tg, "grpo_loss", grpo_loss)
+    monkeypatch.setattr(tg, "policy_objective", policy_objective)
     logged(tmp_path, "--max_steps", "1", "--micro_batch_size", "4", "--beta", "0.04", "--num_iterations", "2",
            monkeypatch=monkeypatch, capture=rollouts)
     (args, (comp, mask, *_)), = rollouts

@@ -44,7 +44,7 @@ def test_gradient_oracle_on_policy(loss_type, S):
     logps, mask, adv = batch()
     L_max, N, world = 7, 20.0, 2
     eps_h = 5.0 if loss_type == "cispo" else 0.28  # cispo's eps_h is a weight cap, min(1, 5.0) = 1 on-policy
-    loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type=loss_type, epsilon=0.2, epsilon_high=eps_h,
+    loss, _ = tg.policy_objective(logps, logps.detach(), adv, mask, loss_type=loss_type, epsilon=0.2, epsilon_high=eps_h,
                            divisor=tg.loss_divisor(loss_type, mask.shape[0] * S, mask.shape[0], N, world, L_max))
     loss.backward()
     want = expected_grad(loss_type, adv, mask, L_max=L_max, N=N, world=world, S=1 if loss_type in ("dapo", "cispo") else S)
@@ -59,13 +59,13 @@ def test_self_subtraction_in_graph_has_zero_gradient_and_trainer_path_does_not()
     (g_bug,) = torch.autograd.grad(bug, logps)
     assert torch.count_nonzero(g_bug) == 0
     # the trainer's path: old is detached, so the gradient is -A m (times the grpo normalization)
-    loss, _ = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
+    loss, _ = tg.policy_objective(logps, logps.detach(), adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
                            divisor=mask.shape[0])
     (g,) = torch.autograd.grad(loss, logps)
     want = -adv[:, None] * mask / mask.sum(1, keepdim=True) / mask.shape[0]
     torch.testing.assert_close(g, want)
     with pytest.raises(AssertionError):
-        tg.grpo_loss(logps, logps, adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2, divisor=mask.shape[0])
+        tg.policy_objective(logps, logps, adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2, divisor=mask.shape[0])
 
 
 def test_clipped_tokens_get_exactly_zero_gradient():
@@ -75,7 +75,7 @@ def test_clipped_tokens_get_exactly_zero_gradient():
     logps = torch.log(ratios.repeat(2, 1)).requires_grad_()
     adv = torch.tensor([1.0, -1.0])
     mask = torch.ones(2, 4)
-    loss, stats = tg.grpo_loss(logps, old, adv, mask, loss_type="bnpo", epsilon=eps, epsilon_high=eps_h, divisor=1)
+    loss, stats = tg.policy_objective(logps, old, adv, mask, loss_type="bnpo", epsilon=eps, epsilon_high=eps_h, divisor=1)
     loss.backward()
     r = ratios[0]
     # A > 0: r = 1.5 > 1 + eps_h is clipped (0); r = 0.5 is on the unclipped side: -A r / N
@@ -93,7 +93,7 @@ def test_cispo_weight_is_capped_and_carries_no_gradient():
     logps = torch.log(ratios).requires_grad_()
     adv = torch.tensor([2.0])
     mask = torch.ones(1, 4)
-    loss, _ = tg.grpo_loss(logps, torch.zeros(1, 4), adv, mask, loss_type="cispo", epsilon=0.2, epsilon_high=cap,
+    loss, _ = tg.policy_objective(logps, torch.zeros(1, 4), adv, mask, loss_type="cispo", epsilon=0.2, epsilon_high=cap,
                            divisor=4.0)
     loss.backward()
     # L = -sg(min(r, cap)) A logp / N  =>  dL/dlogp = -min(r, cap) A / N   (no extra r*logp term)
@@ -106,7 +106,7 @@ def test_cispo_clip_ratio_counts_capped_tokens_with_positive_advantage():
     cap = 2.0
     ratios = torch.tensor([[0.5, 3.0, 10.0, 1.0], [3.0, 10.0, 0.5, 1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
-    _, stats = tg.grpo_loss(torch.log(ratios), torch.zeros(2, 4), torch.tensor([1.0, -1.0]), mask, loss_type="cispo",
+    _, stats = tg.policy_objective(torch.log(ratios), torch.zeros(2, 4), torch.tensor([1.0, -1.0]), mask, loss_type="cispo",
                             epsilon=0.2, epsilon_high=cap, divisor=7.0)
     # by hand, as TRL counts: r > cap and A > 0, over the 7 masked tokens: row 0's 3.0 and 10.0; row 1 (A < 0)
     # has r > cap twice too, but there the cap only shrinks a push down: not counted
@@ -117,7 +117,7 @@ def test_k3_kl_matches_hand_computation():
     logps, mask, adv = batch()
     ref = logps.detach() + torch.tensor([[0.1, -0.2, 0.3, 0.0, 0.5], [0.0, 0.05, -0.1, 0.2, -0.3], [0.4, -0.4, 9, 9, 9]])
     beta = 0.04
-    loss, stats = tg.grpo_loss(logps, logps.detach(), adv, mask, loss_type="bnpo", epsilon=0.2, epsilon_high=0.2,
+    loss, stats = tg.policy_objective(logps, logps.detach(), adv, mask, loss_type="bnpo", epsilon=0.2, epsilon_high=0.2,
                                divisor=1, ref_logps=ref, beta=beta)
     kls, grads = [], torch.zeros_like(mask)
     n = mask.sum().item()
@@ -178,7 +178,7 @@ def test_asymmetric_clip_bounds_and_the_clip_count_by_advantage_sign():
     logps = torch.log(ratios).requires_grad_()
     adv = torch.tensor([1.0, -1.0])
     mask = torch.ones(2, 4)
-    loss, stats = tg.grpo_loss(logps, torch.zeros(2, 4), adv, mask, loss_type="bnpo", epsilon=eps, epsilon_high=eps_h,
+    loss, stats = tg.policy_objective(logps, torch.zeros(2, 4), adv, mask, loss_type="bnpo", epsilon=eps, epsilon_high=eps_h,
                                divisor=1)
     loss.backward()
     # by hand: A > 0 is clipped where r > 1 + eps_h; A < 0 where r < 1 - eps. Clipped tokens: gradient 0;

@@ -31,7 +31,7 @@ def test_every_code_cell_runs(tmp_path, monkeypatch):
     for i, cell in enumerate(nb["cells"]):
         if cell["cell_type"] == "code":
             code = "".join(cell["source"])
-            assert "def grpo_loss" not in code and "def compute_advantages" not in code  # imports, never re-implements
+            assert "def policy_objective" not in code and "def compute_advantages" not in code  # imports, never re-implements
             exec(compile(code, f"cell {i}", "exec"), ns)
     assert ns["evals"] and ns["steps"]
 

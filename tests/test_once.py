@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from helpers import FAST, make_run, tg, tiny
+from helpers import FAST, evaluate_with, make_run, tg, tiny
 from test_real_path import one_thread  # noqa: F401  (an autouse fixture)
 
 ROWS = [{"prompt": "ab=", "answer": "ba"}, {"prompt": "abcdef=", "answer": "fedcba"}]  # the second is cut
@@ -27,7 +27,7 @@ def one_step(monkeypatch, texts=None, reward=tg.reverse_reward):
     run = make_run(model, tok, optimizer, reward_fns=[reward], weights=[1.0], scheduler=scheduler)
     seen, real = [], tg.rollout
     monkeypatch.setattr(tg, "rollout", lambda *a, **k: seen.append(a[1:3]) or real(*a, **k))
-    return tg.grpo_step(args, run, ROWS, tg.TrainState()), seen[0]
+    return tg.grpo_step(args, run, ROWS, tg.TrainState())[0], seen[0]
 
 
 def test_each_prompt_is_tokenized_once_a_step_and_repeated_in_contiguous_groups(monkeypatch):
@@ -56,9 +56,9 @@ def test_the_completion_ids_are_built_once_a_step_and_an_eval_batch_and_the_text
     assert ids == [c[m.bool()].tolist() for c, m in zip(comp, mask)]         # up to and including the EOS
     assert texts == [tok.decode(c[m.bool()], skip_special_tokens=True) for c, m in zip(comp, mask)]
     calls.clear()
-    score = lambda prompts, texts, ids, rows: [float(t == tok.decode(i, skip_special_tokens=True))
-                                              for t, i in zip(texts, ids)]
-    assert tg.evaluate(model, tok, ROWS, score, tg.Args(max_gen_len=4), 0, 1, "cpu") == 1.0
+    score = lambda completions, completion_ids, **k: [float(t == tok.decode(i, skip_special_tokens=True))
+                                                      for t, i in zip(completions, completion_ids)]
+    assert evaluate_with(model, tok, ROWS, score, tg.Args(max_gen_len=4)) == 1.0
     assert len(calls) == 1                                                     # one eval batch: once
 
 

@@ -216,22 +216,22 @@ def test_a_non_finite_grad_norm_under_fp32_skips_the_update_and_counts_it(monkey
     def varied(completions, **kwargs):                                # rewards that differ in each group
         return [float(i % 3) for i in range(len(completions))]
     trainer = make_run(model, tok, optimizer, reward_fns=[varied], weights=[1.0], scheduler=scheduler)
-    real, calls = tg.grpo_loss, []
+    real, calls = tg.policy_objective, []
 
     def nan_first(*a, **k):
         loss, stats = real(*a, **k)
         calls.append(1)
         return (loss * float("nan") if len(calls) == 1 else loss), stats
-    monkeypatch.setattr(tg, "grpo_loss", nan_first)
+    monkeypatch.setattr(tg, "policy_objective", nan_first)
     rows, state = tg.make_reverse_task(16)[0][:2], tg.TrainState()
     before = [p.detach().clone() for p in model.parameters()]
     torch.manual_seed(0)
-    first = tg.grpo_step(args, trainer, rows, state)
+    first, _ = tg.grpo_step(args, trainer, rows, state)
     assert len(calls) == 1 and math.isnan(first["grad_norm"])
     assert first["skipped_steps"] == state.skipped_steps == 1
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert not optimizer.state and all(p.grad is None for p in model.parameters())
-    second = tg.grpo_step(args, trainer, rows, state)
+    second, _ = tg.grpo_step(args, trainer, rows, state)
     assert math.isfinite(second["grad_norm"]) and second["grad_norm"] > 0
     assert second["skipped_steps"] == state.skipped_steps == 1
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))

@@ -50,13 +50,16 @@ def collected_batch(model, tok, monkeypatch):
 
 
 def train_and_record_gradient(model, tok, batch):
-    """train_on_batch on a copy of the model: the gradient its optimizer received, and the step's record."""
+    """train_on_batch on a copy of the model: the gradient its optimizer received, and the step's record as
+    step_metrics makes it from the batch and the update's losses."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     received = []
     optimizer.register_step_pre_hook(lambda opt, *_: received.append([p.grad.clone() for p in model.parameters()]))
     run = make_run(model, tok, optimizer)
-    record = tg.train_on_batch(tg.parse_args(FLAGS), run, batch, tg.TrainState())
+    state = tg.TrainState()
+    losses = tg.train_on_batch(tg.parse_args(FLAGS), run, batch, state)
+    record = tg.step_metrics(tg.parse_args(FLAGS), run, batch, state, losses, step_time=1.0)
     return received[0], record
 
 

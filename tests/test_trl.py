@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from helpers import tg
+from helpers import rewards_of_functions, tg
 from test_custom import REAL, model_dir, write_jsonl  # noqa: F401  (model_dir: a fixture)
 
 
@@ -37,7 +37,7 @@ PROMPTS = [r["prompt"] for r in ROWS]
 
 def rewards_of(fns, weights):
     """compute_rewards as grpo_step calls it: prompts, completions, completion ids, the rows."""
-    return tg.compute_rewards(fns, weights, PROMPTS, TEXTS, [[1]] * 8, ROWS)
+    return rewards_of_functions(fns, weights, PROMPTS, TEXTS, [[1]] * 8, ROWS)
 
 
 def test_trl_length_reward_beside_another_weighted():
@@ -133,11 +133,12 @@ def test_held_out_score_calls_a_batched_reward_on_the_eval_batch(tmp_path):
     (tmp_path / "r.py").write_text("def reward_len(completions, **kwargs):\n"
                                    "    return [-abs(20 - len(completion)) for completion in completions]\n")
     args = tg.parse_args(["--reward_funcs", f"{tmp_path / 'r.py'}:reward_len", "--eval_size", "16"])
-    *_, score, key = tg.load_task(args, 1)
+    *_, fns, weights, key = tg.load_task(args, 1)
     rows = [{"prompt": "edcba=", "answer": "abcde"}, {"prompt": "ab=", "answer": "ba"}]
     prompts = [r["prompt"] for r in rows]
     assert key == "eval_reward"
-    assert score(prompts, ["abcde", "ba"], [[3, 4, 5, 6, 7, 1], [4, 3, 1]], rows) == [-15.0, -18.0]
+    scores = rewards_of_functions(fns, weights, prompts, ["abcde", "ba"], [[3, 4, 5, 6, 7, 1], [4, 3, 1]], rows)
+    assert scores.tolist() == [-15.0, -18.0]
 
 
 def test_a_reward_that_needs_what_this_trainer_does_not_pass_is_one_line(tmp_path):
@@ -158,7 +159,7 @@ def test_sequence_ratio_loss_gradient_and_clip_ratio_by_hand():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])          # token 4 of row 0 is padding
     A = torch.tensor([1.0, -1.0, 2.0])
     logps = (old + shift).requires_grad_(True)
-    loss, stats = tg.grpo_loss(logps, old, A, mask, loss_type="grpo", epsilon=0.1, epsilon_high=0.1,
+    loss, stats = tg.policy_objective(logps, old, A, mask, loss_type="grpo", epsilon=0.1, epsilon_high=0.1,
                                divisor=3, importance_sampling_level="sequence")
     loss.backward()
     # by hand, per sequence: s = exp(mean of the masked shifts); L_i = -min(s A, clip(s, 0.9, 1.1) A) on each of
@@ -178,7 +179,7 @@ def test_sequence_ratio_loss_gradient_and_clip_ratio_by_hand():
     torch.testing.assert_close(logps.grad, hand_grad)
     assert stats["clipped_tokens"].item() == clipped_tokens and clipped_tokens == 3 + 4   # of 9
     # the token ratio is another objective on the same batch (row 0's tokens clip one by one)
-    token_loss, _ = tg.grpo_loss(logps.detach(), old, A, mask, loss_type="grpo", epsilon=0.1, epsilon_high=0.1,
+    token_loss, _ = tg.policy_objective(logps.detach(), old, A, mask, loss_type="grpo", epsilon=0.1, epsilon_high=0.1,
                                  divisor=3)
     assert token_loss.item() != pytest.approx(loss.item())
 

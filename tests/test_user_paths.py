@@ -169,18 +169,18 @@ def test_logged_kl_is_the_masked_mean_over_all_tokens_not_a_mean_of_micro_batch_
     tg.main([*FAST, "--max_steps", "2", "--beta", "0.5", "--micro_batch_size", "8", "--learning_rate", "0.05",
              "--save_dir", str(tmp_path)])
     captured = {}
-    real = tg.grpo_loss
+    real = tg.policy_objective
 
     def spy(logps, old, A, mask, **kw):
         loss, stats = real(logps, old, A, mask, **kw)
         captured.setdefault("parts", []).append((stats["kl_sum"].item() / mask.sum().item(), mask.sum().item()))
         return loss, stats
-    tg.grpo_loss = spy
+    tg.policy_objective = spy
     try:
         tg.main([*FAST, "--max_steps", "3", "--beta", "0.5", "--micro_batch_size", "8", "--learning_rate", "0.05",
                  "--resume", str(tmp_path / "checkpoint-2"), "--save_dir", str(tmp_path)])
     finally:
-        tg.grpo_loss = real
+        tg.policy_objective = real
     (m1, n1), (m2, n2) = captured["parts"]
     row = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][-1]
     assert n1 != n2 and m1 != m2
