@@ -100,6 +100,7 @@ class Args:
     gradient_checkpointing: int = flag(0, "1: recompute each layer in backward to save memory", (0, 1))
     sft_warmup_steps: int = flag(200, "built-in task only: supervised steps before GRPO")
     sft_learning_rate: float = flag(1e-3, "learning rate of the supervised warmup")
+    sft_batch_size: int = flag(16, "rows per supervised step over all ranks, so every world size trains the same")
     # Bookkeeping.
     seed: int = flag(0, "seed of the model, the data order and the sampling")
     save_dir: str = flag("runs/grpo", "where metrics.jsonl, the checkpoints and final/ go")
@@ -1064,16 +1065,16 @@ def frozen_copy(policy, dtype):
 
 def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
     """The built-in task only: supervised steps on the answers, so that the tiny model earns some reward.
-    Every step takes --batch_size rows, split over the ranks, so any number of ranks trains on the same rows."""
-    if args.batch_size < world:
-        raise TrainerError(f"the supervised warm-up shares --batch_size {args.batch_size} rows among {world} "
-                           f"ranks, one at least each: use --batch_size >= {world} or --sft_warmup_steps 0")
+    Every step takes --sft_batch_size rows, split over the ranks, so any number of ranks trains on the same rows."""
+    if args.sft_batch_size < world:
+        raise TrainerError(f"the supervised warm-up shares --sft_batch_size {args.sft_batch_size} rows among "
+                           f"{world} ranks, one at least each: use --sft_batch_size >= {world} or --sft_warmup_steps 0")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
     scaler = loss_scaler(args.dtype, device)
     # Its own generator, apart from the one that samples the rollouts, so the warm-up never shifts their streams.
     rng = random.Random(args.seed + 7)
     for _ in tqdm(range(args.sft_warmup_steps), desc="sft warmup", disable=rank != 0, leave=False):
-        picks = [rng.randrange(len(train_rows)) for _ in range(args.batch_size)]
+        picks = [rng.randrange(len(train_rows)) for _ in range(args.sft_batch_size)]
         rows = [train_rows[i] for i in picks[rank::world]]
         ids, prompt_mask, _ = tokenize_prompts(tokenizer, [r["prompt"] for r in rows], args.max_prompt_len, device)
         answers = [tokenizer(r["answer"], add_special_tokens=False).input_ids for r in rows]
@@ -1083,7 +1084,7 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
                                              torch.cat([prompt_mask, torch.ones_like(target)], 1), target.shape[1],
                                              chunk_size=args.logp_chunk_size, with_entropy=False)
         # The whole batch's token mean however the ranks split it: DDP averages, and the answers are equally long.
-        loss = -logps.sum() * world / (args.batch_size * target.shape[1])
+        loss = -logps.sum() * world / (args.sft_batch_size * target.shape[1])
         if aux is not None:
             loss = loss + unwrap(model).config.router_aux_loss_coef * aux
         scaler.scale(loss).backward()
@@ -1200,19 +1201,16 @@ def compare_format_reward(completions, **kwargs):
     return [float(re.fullmatch(r"\s*-?\d+\.?\s*", text_of(c)) is not None) for c in completions]
 
 
-# Digits in groups of three may be separated by ',', LaTeX's '{,}' or a space ('1{,}000', '1 000').
-NUMBER = r"-?[$]?\s*-?(?:\d{1,3}(?:(?:\{,\}| )\d{3})+(?!\d)|\d[\d,]*)(?:\.\d+)?"
+# A number as GSM8K writes one: '$' and thousands commas allowed ('$1,234.50').
+NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?"
 
 
 def parse_number(text):
     """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact, and never eval."""
-    t = re.sub(r"\{,\}|[,$ ]", "", (text or "").strip()).rstrip(".")
-    digits = t.lstrip("-")
-    if not re.fullmatch(r"\d+(?:\.\d+)?", digits):
+    t = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    if not re.fullmatch(r"-?\d+(?:\.\d+)?", t):
         return None
-    if t.startswith("-"):
-        return -Fraction(digits)
-    return Fraction(digits)
+    return Fraction(t)
 
 
 def gsm8k_reference(answer):
@@ -1221,20 +1219,12 @@ def gsm8k_reference(answer):
 
 
 def gsm8k_correct_reward(completions, answer, **kwargs):
-    # 1.0 if the final answer equals the reference. The final answer is the last '#### N', else the last
-    # \boxed{N}, else the last 'answer is N', else the last number.
-    patterns = [r"####\s*(" + NUMBER + ")", r"\\boxed\{\s*(" + NUMBER + r")\s*\}",
-                r"answer is[:\s]*(" + NUMBER + ")", NUMBER]
+    # 1.0 if the number after the completion's last '####' equals the reference: lm-eval-harness's strict match.
+    # A completion without '####' gets 0, however right its last number, as in the published GSM8K scores.
     rewards = []
     for completion, target in zip(completions, answer):
-        reward = 0.0
-        for pattern in patterns:
-            found = re.findall(pattern, text_of(completion), flags=re.IGNORECASE)
-            if found:
-                predicted = parse_number(found[-1])
-                reward = float(predicted is not None and predicted == gsm8k_reference(target))
-                break
-        rewards.append(reward)
+        found = re.findall(r"####\s*(" + NUMBER + ")", text_of(completion))
+        rewards.append(float(bool(found) and parse_number(found[-1]) == gsm8k_reference(target)))
     return rewards
 
 

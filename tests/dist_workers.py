@@ -182,7 +182,7 @@ def loop_step_grads(rank, world, out_dir):
 
 
 def warm_up_grads(rank, world, out_dir):
-    """One supervised warm-up step of --batch_size 3 on 2 ranks: the prompts this rank took and the gradient
+    """One supervised warm-up step of --sft_batch_size 3 on 2 ranks: the prompts this rank took and the gradient
     the clip saw (after DDP's all-reduce)."""
     dist.init_process_group("gloo")
     model, tok = tiny()
@@ -195,7 +195,7 @@ def warm_up_grads(rank, world, out_dir):
     def clip(m, max_norm):
         seen["grads"] = {n: p.grad.clone() for n, p in m.named_parameters()}
         return real_clip(m, max_norm)
-    args = tg.parse_args(["--sft_warmup_steps", "1", "--batch_size", "3"])
+    args = tg.parse_args(["--sft_warmup_steps", "1", "--sft_batch_size", "3"])
     with patched(tokenize_prompts=tokenize, clip_grad_norm=clip):
         tg.sft_warmup(DDP(model), tok, tg.make_reverse_task(16)[0], args, "cpu", rank, world)
     torch.save(seen, os.path.join(out_dir, f"warm_{rank}.pt"))

@@ -234,7 +234,7 @@ def test_entropy_is_computed_only_where_it_is_logged(tmp_path, monkeypatch):
                     "--save_dir", str(tmp_path)])
     assert tokens["logps"] > 0 and 2 * tokens["entropy"] == tokens["logps"]
     model, tok = tiny()
-    args = tg.parse_args(["--sft_warmup_steps", "2", "--batch_size", "4"])
+    args = tg.parse_args(["--sft_warmup_steps", "2", "--sft_batch_size", "4"])
     tokens.update(entropy=0, logps=0)
     before = model.lm_head.weight.detach().clone()
     tg.sft_warmup(model, tok, tg.make_reverse_task(16)[0], args, torch.device("cpu"), 0, 1)

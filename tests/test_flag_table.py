@@ -10,7 +10,7 @@ Flags that select (choices) have a row per choice where choices change the step.
 show are tested where they act:
   model_name_or_path, dataset        test_real_path::test_two_rank_run_on_saved_model_and_gsm8k_file
   reward_funcs                       test_custom::test_reward_file_and_prompt_dataset_with_extra_columns
-  trust_remote_code, sft_warmup_steps, sft_learning_rate, seed       below
+  trust_remote_code, sft_warmup_steps, sft_learning_rate, sft_batch_size, seed       below
   save_dir, save_interval, resume, stop_after                       test_user_paths::test_tensorboard_after_a_resume..
                                      and test_real_path::test_resume_continues_exactly
   eval_interval, eval_size           test_custom::test_summary_line_and_eval_size_caps_a_test_split
@@ -51,7 +51,7 @@ def one_step(**flags):
     applied = []                              # the norm of the gradient each optimizer step receives
     optimizer.register_step_pre_hook(lambda *_: applied.append(
         torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item()))
-    state = tg.TrainState(c=args.entropy_coef, alpha=args.entropy_coef)
+    state = tg.TrainState(entropy_coef=args.entropy_coef, entropy_coef_applied=args.entropy_coef)
     calls = {"rollout": [], "lm_logits": [], "logp_rows": [], "prompt_width": []}
     real_rollout, real_head, real_logps = tg.rollout, tg.lm_logits, tg.completion_logps
 
@@ -205,7 +205,7 @@ def test_trust_remote_code_reaches_from_pretrained(tmp_path, monkeypatch):
 
 def test_sft_warmup_flags_change_the_warm_start(tmp_path):
     def warm(**kw):
-        args = tg.Args(batch_size=4, max_prompt_len=64, **kw)
+        args = tg.Args(sft_batch_size=4, max_prompt_len=64, **kw)
         model, tok = tiny()
         train_rows, _ = tg.make_reverse_task(16)
         tg.sft_warmup(model, tok, train_rows, args, "cpu", 0, 1)
@@ -213,9 +213,11 @@ def test_sft_warmup_flags_change_the_warm_start(tmp_path):
     start = tiny()[0].state_dict()
     none, two, two_fast = warm(sft_warmup_steps=0), warm(sft_warmup_steps=2), warm(sft_warmup_steps=2,
                                                                                  sft_learning_rate=1e-2)
+    two_small = warm(sft_warmup_steps=2, sft_batch_size=2)
     assert all(torch.equal(none[k], start[k]) for k in start)
     assert any(not torch.equal(two[k], start[k]) for k in start)
     assert any(not torch.equal(two[k], two_fast[k]) for k in start)
+    assert any(not torch.equal(two[k], two_small[k]) for k in start)
 
 
 def test_seed_decides_the_run(tmp_path):

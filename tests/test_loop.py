@@ -158,7 +158,7 @@ def test_two_ranks_with_micro_steps_equal_one_process_on_the_combined_batch():
 
 
 def test_two_ranks_warm_up_on_an_uneven_split_takes_the_mean_over_the_whole_batch():
-    # dist_workers.warm_up_grads: one warm-up step of --batch_size 3 on 2 ranks, the gradient the clip saw
+    # dist_workers.warm_up_grads: one warm-up step of --sft_batch_size 3 on 2 ranks, the gradient the clip saw
     ranks = [torch.load(dist_suite() / f"warm_{r}.pt", weights_only=True) for r in (0, 1)]
     assert [len(r["prompts"]) for r in ranks] == [2, 1]                       # 3 rows: 2 and 1
     model, tok = tiny()
@@ -175,10 +175,10 @@ def test_two_ranks_warm_up_on_an_uneven_split_takes_the_mean_over_the_whole_batc
 
 
 def test_two_ranks_warm_up_with_fewer_rows_than_ranks_refuses_in_one_line(tmp_path):
-    res = run_cli(*FAST, "--batch_size", "1", "--sft_warmup_steps", "2", "--max_steps", "1", "--save_dir", tmp_path,
+    res = run_cli(*FAST, "--sft_batch_size", "1", "--sft_warmup_steps", "2", "--max_steps", "1", "--save_dir", tmp_path,
                   nproc=2, timeout=120)
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
     assert res.returncode == 1 and 1 <= len(errors) <= 2, res.stderr[-3000:]   # torchrun may stop a rank first
-    assert set(errors) == {"error: the supervised warm-up shares --batch_size 1 rows among 2 ranks, one at "
-                           "least each: use --batch_size >= 2 or --sft_warmup_steps 0"}
+    assert set(errors) == {"error: the supervised warm-up shares --sft_batch_size 1 rows among 2 ranks, one at "
+                           "least each: use --sft_batch_size >= 2 or --sft_warmup_steps 0"}
     assert 'train_grpo.py", line' not in res.stderr                            # no traceback of the trainer

@@ -110,30 +110,27 @@ def two_rank_runs():
 @pytest.mark.parametrize("completion, reference, correct", [
     ("so the total is 14.\n#### 14", "worked...\n#### 14", True),
     ("#### 1,250", "#### 1250", True),
-    ("The answer is $1,250.", "#### 1250", True),
     ("#### $45.00", "#### 45", True),
     ("#### 45.0", "#### 45", True),
     ("#### 45.", "#### 45", True),
     ("It dropped to -7 degrees.\n#### -7", "#### -7", True),
     ("#### 7", "#### -7", False),
     ("#### -7", "#### 7", False),
-    ("first 12 then 30, finally 42", "#### 42", True),
-    ("first 42 then 30", "#### 42", False),             # the last number counts when nothing is tagged
+    ("first 12 then 30, finally 42", "#### 42", False),   # strict: without '####' no number counts
+    ("The answer is $1,250.", "#### 1250", False),
+    ("\\boxed{12.5}", "#### 12.5", False),
     ("#### 42\nbut maybe 17", "#### 42", True),          # a tagged answer beats a later number
-    ("answer is 42, I think 17", "#### 42", True),
-    ("\\boxed{12.5}", "#### 12.5", True),
+    ("#### 17\nno, #### 42", "#### 42", True),           # the last tag counts
     ("#### 12.50", "#### 12.5", True),
     ("#### 0.1", "#### 0.10", True),
     ("no number here", "#### 3", False),
     ("", "#### 3", False),
     ("#### 3/4", "#### 3", True),                        # '3/4': the tag takes the 3; the reference is 3
     ("#### 1e9", "#### 1", True),                        # no scientific notation: the number is 1
-    ("The total is 2,400 books.", "2400", True),        # a bare reference number
+    ("#### 2,400", "2400", True),                        # a bare reference number
     ("#### 10", "#### 10\n", True),
-    ("__import__('os').system('echo pwned') 5", "#### 5", True),  # model text is parsed, never evaluated
-    ("so \\boxed{1{,}000}", "#### 1000", True),          # LaTeX's thousands separator
-    ("#### 1 000", "#### 1000", True),                   # digit groups separated by a space
-    ("#### 1 0000", "#### 1", True),                     # not a digit group: the number is 1
+    ("__import__('os').system('echo pwned')\n#### 5", "#### 5", True),  # model text is parsed, never evaluated
+    ("#### __import__('os').system('echo pwned')", "#### 0", False),
 ])
 def test_gsm8k_correctness(completion, reference, correct):
     assert tg.gsm8k_correct_reward([completion], [reference]) == [float(correct)]
