@@ -124,7 +124,7 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# One GRPO step: collect a batch (stages 1-6, no graph), then train on it (stages 7-13).
+# One GRPO step: collect a batch (stages 1-4, no graph), then train on it (stages 5-13).
 # A fork that brings its completions from elsewhere passes its own collect (README: Fork the step).
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
@@ -174,8 +174,8 @@ class Batch:
     completion_len: torch.Tensor   # [B*G], tokens up to the EOS, counted before --mask_truncated_completions
     truncated: torch.Tensor        # [B*G], True where a completion never emitted an EOS
     rewards_per_func: object = None  # [B*G, K], each reward function's value before its weight; NaN: None
-    old_logps: object = None       # [B*G, T] without a graph: the sampler's log-probs; None: the policy's
-    ref_logps: object = None       # [B*G, T] without a graph, needed when beta > 0
+    old_logps: object = None       # [B*G, T] without a graph, the sampler's; None: the policy's, before update 1
+    ref_logps: object = None       # [B*G, T] without a graph, the reference's; None: computed when beta > 0
     prompts_cut: int = 0           # prompts that lost their start to --max_prompt_len
     generate_time: float = 0.0     # seconds spent sampling
 
@@ -194,8 +194,7 @@ def grpo_step(args, run, prompt_rows, state, collect=None):
 
 @torch.no_grad()
 def collect_batch(args, run, prompt_rows):
-    """Stages 1-6, without a graph: the prompts, the rollout, the rewards, the advantages, and the reference and
-    old log-probs."""
+    """Stages 1-4, without a graph: the prompts, the rollout, the rewards and the advantages."""
     device = torch.device(run.device)
     G = args.num_generations
     policy = unwrap(run.model)
@@ -234,25 +233,16 @@ def collect_batch(args, run, prompt_rows):
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     # Built from the mask after that, as in TRL, so a silenced completion is not attended to either.
     attention_mask = torch.cat([prompt_mask, mask], 1)
-    T = completion_ids.shape[1]
-
-    # 5-6. Reference and old log-probs, computed once and kept fixed through the mu updates.
-    parts = micro_batches(len(group_rows), args.micro_batch_size)
-    ref_logps = None
-    old_logps = None
-    if run.ref_model is not None:
-        ref_logps = logps_without_grad(run.ref_model, input_ids, attention_mask, T, parts, args)
-    if args.num_iterations > 1:
-        old_logps = logps_without_grad(policy, input_ids, attention_mask, T, parts, args)
+    # The policy sampled these completions, so old_logps stays None: train_on_batch computes it (stage 6).
     return Batch(input_ids=input_ids, attention_mask=attention_mask, completion_mask=mask, advantages=advantages,
                  rewards=rewards, completion_len=completion_len, truncated=truncated,
-                 rewards_per_func=rewards_per_func, old_logps=old_logps, ref_logps=ref_logps,
-                 prompts_cut=prompts_cut, generate_time=generate_time)
+                 rewards_per_func=rewards_per_func, prompts_cut=prompts_cut, generate_time=generate_time)
 
 
 def train_on_batch(args, run, batch, state):
-    """Stages 7-13: mu updates on the batch, each over S micro-batches, then the next step's entropy coefficient.
-    It updates `state` and returns this rank's loss terms (the last update's) for the step's metrics."""
+    """Stages 5-13: the reference and old log-probs, then mu updates on the batch, each over S micro-batches, then
+    the next step's entropy coefficient. It updates `state` and returns this rank's loss terms (the last
+    update's) for the step's metrics."""
     device = batch.input_ids.device
     policy = unwrap(run.model)
     alpha = state.entropy_coef_applied
@@ -262,9 +252,14 @@ def train_on_batch(args, run, batch, state):
     parts = micro_batches(num_rows, args.micro_batch_size)
     S = len(parts)
     N = world_sum(mask.sum(), device=device)[0]
+    # 5. Reference log-probs, when beta > 0, unless the batch brings them.
+    ref_logps = batch.ref_logps
+    if ref_logps is None and run.ref_model is not None:
+        ref_logps = logps_without_grad(run.ref_model, batch.input_ids, batch.attention_mask, T, parts, args)
+    # 6. Old log-probs, unless the batch brings the sampler's. With mu > 1 they are the policy's before the first
+    # update, kept fixed through all mu, so that the later updates' ratios move and clip.
     old_logps = batch.old_logps
     if old_logps is None and args.num_iterations > 1:
-        # The mu updates compare against one fixed policy, the one that sampled, or no update after the first clips.
         old_logps = logps_without_grad(policy, batch.input_ids, batch.attention_mask, T, parts, args)
 
     losses = {"lr": run.scheduler.get_last_lr()[0], "entropy_coef_applied": alpha, "N": N}
@@ -289,7 +284,7 @@ def train_on_batch(args, run, batch, state):
                     with_entropy=iteration == 0 or alpha != 0.0)
             # On-policy (mu = 1) the old log-probs are logp.detach(): the ratio is 1, and its gradient is dlogp.
             old = logps.detach() if old_logps is None else old_logps[part]
-            ref = None if batch.ref_logps is None else batch.ref_logps[part]
+            ref = None if ref_logps is None else ref_logps[part]
             # 8-9. The per-token objective plus beta times the KL, normalized as --loss_type says (stage 9).
             loss, stats = policy_objective(logps, old, batch.advantages[part], m, loss_type=args.loss_type,
                                            epsilon=args.epsilon, epsilon_high=args.epsilon_high, divisor=D,

@@ -140,7 +140,7 @@ def test_entropy_bonus_is_the_same_for_every_loss_type(loss_type):
                           "--micro_batch_size", str(micro), "--grad_clip", "0", "--entropy_coef", str(alpha)])
     run = make_run(model, tok, torch.optim.SGD(model.parameters(), lr=0.0))
     batch = dict(input_ids=input_ids, attention_mask=attn, mask=mask, advantages=torch.zeros(16))
-    _, received = step_on_batch(args, run, batch, tg.TrainState(alpha=alpha))
+    _, received = step_on_batch(args, run, batch, tg.TrainState(entropy_coef_applied=alpha))
     for got, w in zip(received[0], want):
         torch.testing.assert_close(got, w.float(), rtol=1e-4, atol=1e-7)
 

@@ -205,7 +205,7 @@ def test_trust_remote_code_reaches_from_pretrained(tmp_path, monkeypatch):
 
 def test_sft_warmup_flags_change_the_warm_start(tmp_path):
     def warm(**kw):
-        args = tg.Args(sft_batch_size=4, max_prompt_len=64, **kw)
+        args = tg.Args(**{"sft_batch_size": 4, "max_prompt_len": 64, **kw})
         model, tok = tiny()
         train_rows, _ = tg.make_reverse_task(16)
         tg.sft_warmup(model, tok, train_rows, args, "cpu", 0, 1)

@@ -107,7 +107,7 @@ def test_loop_keeps_entropy_out_of_the_graph_when_no_bonus_applies(monkeypatch):
     for coef in (0.0, 0.01):
         seen.clear()
         run = make_run(model, tok, torch.optim.SGD(model.parameters(), lr=0.0))
-        record, _ = step_on_batch(args, run, batch, tg.TrainState(alpha=coef))
+        record, _ = step_on_batch(args, run, batch, tg.TrainState(entropy_coef_applied=coef))
         assert len(seen) == 2 and all(entropy.requires_grad == (coef != 0.0) for _, entropy, _ in seen)
         # the logged entropy is the same number either way
         want = sum((e.detach() * mask[8 * i:8 * i + 8]).sum().item() for i, (_, e, _) in enumerate(seen))
