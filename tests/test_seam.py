@@ -1,11 +1,13 @@
 """The seam where a fork swaps the rollout: train_on_batch trains on a Batch built by hand from fixed completions,
 with no rollout at all, exactly as on the same batch that collect_batch collects."""
 import copy
+import dataclasses
+import json
 
 import pytest
 import torch
 
-from helpers import make_run, tg, tiny
+from helpers import FAST, make_run, tg, tiny
 
 PROMPTS = [{"prompt": "abcde=", "answer": "edcba"}, {"prompt": "hgfed=", "answer": "defgh"}]
 # G = 4 completions of each prompt. The last of the first group never stops: 6 letters, no EOS.
@@ -90,3 +92,52 @@ def test_a_hand_built_batch_trains_as_the_collected_one_and_as_the_formula_says(
     assert record_hand["reward"] == pytest.approx(sum(REWARDS) / 8)
     assert record_hand["truncated_frac"] == 1 / 8 and record_hand["completion_len"] == pytest.approx(42 / 8)   # EOS included
     assert record_hand["loss"] == pytest.approx(record_collected["loss"], rel=1e-6)
+
+
+def test_a_batch_without_old_logps_clips_its_later_updates_as_with_the_samplers_own(monkeypatch):
+    """mu = 2 at a large learning rate: a Batch that leaves old_logps empty trains exactly as one that brings the
+    sampling policy's log-probs, computed here by a plain full-logits forward. Taking each update's own fresh
+    log-probs as old would keep the ratio at 1, and update 2 would never clip."""
+    model, tok = tiny()
+    flags = FLAGS + ["--num_iterations", "2", "--learning_rate", "0.05", "--grad_clip", "1"]
+    batch = collected_batch(model, tok, monkeypatch)
+    T = batch.completion_mask.shape[1]
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
+    logp = torch.log_softmax(logits[:, -T - 1:-1].float(), -1).gather(-1, batch.input_ids[:, -T:, None]).squeeze(-1)
+    records = []
+    for old in (None, logp):
+        policy = copy.deepcopy(model)
+        args = tg.parse_args(flags)
+        optimizer, scheduler = tg.build_optimizer(policy, args)
+        run = make_run(policy, tok, optimizer, scheduler=scheduler)
+        state = tg.TrainState()
+        losses = tg.train_on_batch(args, run, dataclasses.replace(batch, old_logps=old), state)
+        records.append(tg.step_metrics(args, run, batch, state, losses, step_time=1.0))
+    left_empty, given = records
+    assert given["clip_ratio"] > 0                                  # update 2 clips
+    assert left_empty["clip_ratio"] == pytest.approx(given["clip_ratio"])
+    assert left_empty["policy_loss"] == pytest.approx(given["policy_loss"], rel=1e-4)
+
+
+def test_main_takes_a_collect_function_and_logs_every_metric_of_its_batch(tmp_path):
+    """The README's fork: main(collect=...) runs it at every step, trains on what it returns, and logs every
+    metric a plain run logs. Here it zeroes the advantages, so nothing is learned: the loss and its gradient
+    are 0 (beta = 0, no bonus), and AdamW leaves the weights where the plain first step moves them."""
+    calls = []
+
+    def no_signal(args, run, prompt_rows):
+        calls.append(len(prompt_rows))
+        batch = tg.collect_batch(args, run, prompt_rows)
+        batch.advantages = torch.zeros_like(batch.advantages)
+        return batch
+    flags = FAST + ["--max_steps", "2"]
+    tg.main(flags + ["--save_dir", str(tmp_path / "fork")], collect=no_signal)
+    tg.main(flags + ["--save_dir", str(tmp_path / "plain")])
+    assert calls == [4, 4]
+    fork = [json.loads(line) for line in open(tmp_path / "fork" / "metrics.jsonl")]
+    plain = [json.loads(line) for line in open(tmp_path / "plain" / "metrics.jsonl")]
+    assert [sorted(r) for r in fork] == [sorted(r) for r in plain]
+    assert all(r["advantage_std"] == 0 and r["policy_loss"] == 0 and r["grad_norm"] == 0 for r in fork)
+    assert all(r["grad_norm"] > 0 for r in plain)
