@@ -112,7 +112,7 @@ class Args:
                       ("float32", "bfloat16", "float16"))
     device: str = flag("auto", "auto, cpu or cuda", ("auto", "cpu", "cuda"))
     stop_after: int = flag(0, "stop after this step and its checkpoint; 0: run to --max_steps")
-    report_to: str = flag("none", "also send each step's metrics and completions here", ("none", "wandb", "tensorboard"))
+    report_to: str = flag("none", "also send metrics and completions here", ("none", "wandb", "tensorboard"))
     log_completions: int = flag(0, "1: every step's training completions of rank 0 go to completions.jsonl", (0, 1))
     num_completions_to_print: int = flag(3, "held-out completions printed at each eval")
     run_name: str = flag("", "the run's name in wandb or tensorboard; empty: the save_dir's name")
@@ -783,14 +783,12 @@ def call_reward(fn, prompts, completions, completion_ids_list, rows):
 
 
 def reward_names(reward_fns):
-    """Each function's name in the logs, made unique: a second function named f is logged as f_2."""
+    """Each function's name in the logs. A name an earlier function has gets its place: f, g, f_3."""
     names = []
-    for fn in reward_fns:
+    for k, fn in enumerate(reward_fns):
         name = fn.__name__
-        n = 2
-        while name in names:
-            name = f"{fn.__name__}_{n}"
-            n += 1
+        if name in names:
+            name = f"{name}_{k + 1}"
         names.append(name)
     return names
 
@@ -1845,11 +1843,8 @@ def open_report(args, rank, resumed_at=None):
             if k != "step":
                 writer.add_scalar(k, v, record["step"])
         if samples:
-            # A markdown table, which TensorBoard's text tab shows as a table.
-            lines = ["| " + " | ".join(columns[1:]) + " |", "|" + " --- |" * (len(columns) - 1)]
-            for sample in samples:
-                cells = [printable(str(sample[c]), 200)[1:-1].replace("|", "\\|") for c in columns[1:]]
-                lines.append("| " + " | ".join(cells) + " |")
+            # Indented four spaces, the JSON lines are a code block in TensorBoard's text tab.
+            lines = ["    " + json.dumps(sample) for sample in samples]
             writer.add_text("completions", "\n".join(lines), record["step"])
         writer.flush()
     return send_to_tensorboard, writer.close

@@ -154,8 +154,8 @@ def test_wandb_and_tensorboard_get_the_completions(tmp_path, monkeypatch):
     acc.Reload()
     texts = acc.Tensors("completions/text_summary")
     assert [e.step for e in texts] == [1, 2]
-    first = lines(tmp_path / "tb" / "completions.jsonl")[0]
-    assert first["completion"].replace("|", "\\|") in texts[0].tensor_proto.string_val[0].decode()
+    logged = [json.loads(line) for line in texts[0].tensor_proto.string_val[0].decode().splitlines()]
+    assert logged == [c for c in lines(tmp_path / "tb" / "completions.jsonl") if c["step"] == 1]
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     tg.main(FAST + ["--max_steps", "2", "--log_completions", "1", "--report_to", "wandb",
@@ -172,3 +172,13 @@ def test_wandb_and_tensorboard_get_the_completions(tmp_path, monkeypatch):
         time.sleep(0.2)
     assert [h["_step"] for h in tables] == [1, 2]
     assert all(h["completions/_type"] == "table-file" and h["completions/nrows"] == 16 for h in tables)
+
+
+def test_two_reward_functions_of_one_name_are_logged_under_names_that_differ(tmp_path):
+    (tmp_path / "a.py").write_text("def f(completions, **kw):\n    return [1.0 for c in completions]\n")
+    (tmp_path / "b.py").write_text("def f(completions, **kw):\n    return [2.0 for c in completions]\n")
+    res = run_cli(*FAST, "--max_steps", "1", "--reward_funcs", f"{tmp_path / 'a.py'}:f,{tmp_path / 'b.py'}:f",
+                  "--save_dir", tmp_path / "run", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (record,) = lines(tmp_path / "run" / "metrics.jsonl")
+    assert (record["rewards/f/mean"], record["rewards/f_2/mean"]) == (1.0, 2.0)
