@@ -131,10 +131,11 @@ TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, max_gen_len=8, max_prompt
                                          max_steps=40, eval_interval=10, eval_size=200)}
 
 # A resumed run takes its flags from its checkpoint's args.json. A flag typed at --resume may change how long it
-# runs (not under a cosine schedule), how often it saves and evaluates, where it writes and logs, whether layers are
-# recomputed in backward, and whether remote code may load; any other must match, as it changes what is computed.
-RESUME_MAY_CHANGE = ("max_steps", "save_interval", "eval_interval", "stop_after", "report_to", "run_name",
-                     "save_dir", "resume", "gradient_checkpointing", "trust_remote_code")
+# runs (not under a cosine schedule), how often it saves and evaluates, where it writes and logs, how much memory a
+# step takes, and whether remote code may load; any other must match, as it changes what is computed.
+RESUME_MAY_CHANGE = ("max_steps", "save_interval", "save_total_limit", "eval_interval", "stop_after", "report_to",
+                     "run_name", "save_dir", "resume", "gradient_checkpointing", "trust_remote_code",
+                     "micro_batch_size", "logp_chunk_size")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1464,11 +1465,33 @@ def resumed_args(args, typed, ckpt, parser):
         if name == "max_steps" and resumed.lr_scheduler == "cosine":
             # A cosine schedule decays over --max_steps, so there the length sets every step's learning rate.
             may_change = False
+        if name == "micro_batch_size" and (resumed.loss_type == "bnpo" or resumed.use_moe or resumed.entropy_coef
+                                           or resumed.use_adaptive_entropy):
+            # bnpo, the router loss and the entropy bonus average each micro-batch: there its size is part of the loss.
+            may_change = False
         # The resolved value is compared, so that epsilon_high's -1 reads as the epsilon it stands for.
         value = getattr(resumed, name)
         if not may_change and name in saved and value != saved[name]:
             parser.error(f"--{name} {value} differs from {saved[name]}, the value {ckpt} was trained with: a resumed "
                          f"run computes what its run computed (use another --save_dir for a new run)")
+    state_path = os.path.join(ckpt, "trainer_state.pt")
+    if not os.path.isfile(state_path):
+        parser.error(f"--resume: {ckpt} has no trainer_state.pt, so it is no checkpoint to continue")
+    # The prompt order and a step's rows depend on the number of processes: each wrote its own rng_state_<rank>.pt.
+    trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if trained_by != world:
+        parser.error(f"--resume: {ckpt} was trained by {trained_by} process(es) and this run has {world}: a resumed "
+                     f"run computes what its run computed, so resume it on {trained_by} in all "
+                     f"(torchrun --nproc_per_node {trained_by} train_grpo.py --resume ...)")
+    step = torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    if resumed.max_steps < step:
+        parser.error(f"--max_steps {resumed.max_steps} is below step {step} of {ckpt}: give --max_steps {step} or "
+                     f"more, or resume an earlier checkpoint")
+    changed = [f"--{n}" for n in ("micro_batch_size", "logp_chunk_size") if getattr(resumed, n) != saved[n]]
+    if changed and os.environ.get("RANK", "0") == "0":
+        print(f"note: {' and '.join(changed)} changed at this resume: the run goes on, but the last bits of its sums "
+              f"differ, so it is no longer bitwise the run that never stopped")
     return resumed
 
 
