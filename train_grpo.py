@@ -104,6 +104,7 @@ class Args:
     seed: int = flag(0, "seed of the model, the data order and the sampling")
     save_dir: str = flag("runs/grpo", "where metrics.jsonl, the checkpoints and final/ go")
     save_interval: int = flag(0, "write checkpoint-<step> every N steps; 0: only at the end")
+    save_total_limit: int = flag(0, "keep the newest N checkpoints, deleting older ones once a newer is whole; 0: all")
     resume: str = flag("", "'auto' (the latest checkpoint in --save_dir) or a checkpoint folder")
     eval_interval: int = flag(50, "greedy held-out eval every N steps, at the last, and before a fresh run; 0: off")
     eval_size: int = flag(256, "held-out prompts")
@@ -1500,8 +1501,8 @@ def check_args(a):
     positive = ("batch_size max_steps max_gen_len max_prompt_len num_iterations learning_rate sft_learning_rate "
                 "temperature").split()
     non_negative = ("micro_batch_size logp_chunk_size beta weight_decay warmup_steps grad_clip sft_warmup_steps "
-                    "save_interval eval_interval eval_size stop_after entropy_coef_delta entropy_coef_min "
-                    "entropy_target epsilon_high").split()
+                    "save_interval save_total_limit eval_interval eval_size stop_after entropy_coef_delta "
+                    "entropy_coef_min entropy_target epsilon_high").split()
     for f in dataclasses.fields(a):
         if f.type is float and not math.isfinite(getattr(a, f.name)):
             yield f"--{f.name} must be a finite number, got {getattr(a, f.name)}"
@@ -1613,8 +1614,20 @@ def save(args, run, state, rank):
         shutil.rmtree(final, ignore_errors=True)
         # A crash before this rename leaves the previous checkpoint as it was.
         os.replace(tmp, final)
+        if args.save_total_limit:
+            delete_oldest(args.save_dir, args.save_total_limit)
     barrier()
     return final
+
+
+def delete_oldest(save_dir, keep):
+    """--save_total_limit: once a checkpoint is whole, the oldest beyond the newest `keep` go. Each is renamed
+    first, in one atomic step, so a kill in the middle of a deletion leaves a folder --resume auto never reads."""
+    for path in checkpoints(save_dir)[:-keep]:
+        os.replace(path, path + ".deleting")
+    # Also what an earlier kill left half deleted.
+    for path in glob.glob(os.path.join(save_dir, "checkpoint-*.deleting")):
+        shutil.rmtree(path)
 
 
 def save_pretrained(model, tokenizer, where):
@@ -1646,10 +1659,20 @@ def changed_flags(args):
     return " ".join(changed)
 
 
-def find_checkpoint(save_dir):
+def checkpoints(save_dir):
+    """The whole checkpoints in save_dir, oldest first. A folder being written or deleted has a suffix."""
     done = [p for p in glob.glob(os.path.join(save_dir, "checkpoint-*"))
             if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))]
-    return max(done, key=lambda p: int(p.rsplit("-", 1)[1]), default=None)
+    return sorted(done, key=step_of)
+
+
+def step_of(path):
+    return int(path.rsplit("-", 1)[1])
+
+
+def find_checkpoint(save_dir):
+    done = checkpoints(save_dir)
+    return done[-1] if done else None
 
 
 def load_weights(model, ckpt, trust_remote_code=False):
@@ -1686,13 +1709,42 @@ def resume(args, ckpt, run, rank, metrics_path):
     state = TrainState(**saved)
     set_rng_state(load(f"rng_state_{rank}.pt"))
     if rank == 0:
-        kept = []
-        if os.path.exists(metrics_path):
-            kept = [line for line in open(metrics_path) if json.loads(line).get("step", 0) <= state.step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
+        set_aside_later_steps(args.save_dir, state.step, metrics_path)
+        trim_log(metrics_path, state.step)
         print(f"resumed from {ckpt} at step {state.step}")
     return state
+
+
+def set_aside_later_steps(save_dir, step, metrics_path):
+    """A resume from an older checkpoint starts another history there. The later checkpoints of the history it
+    leaves, its final/ and a copy of its log move to abandoned-<n>/, where --resume auto never looks. They are
+    moved, not deleted, because only the user may delete what they trained."""
+    later = [p for p in checkpoints(save_dir) if step_of(p) > step]
+    if not later:
+        return
+    if os.path.isdir(os.path.join(save_dir, "final")):
+        later.append(os.path.join(save_dir, "final"))
+    n = 1
+    while os.path.exists(os.path.join(save_dir, f"abandoned-{n}")):
+        n += 1
+    aside = os.path.join(save_dir, f"abandoned-{n}")
+    os.makedirs(aside)
+    if os.path.exists(metrics_path):
+        shutil.copy(metrics_path, aside)
+    for path in later:
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    names = ", ".join(os.path.basename(p) for p in later)
+    print(f"resuming at step {step}: the history after it ({names}, a copy of its log) is set aside in {aside}")
+
+
+def trim_log(path, step):
+    """A .jsonl log keeps its lines up to `step`, where a resume goes on. A line a kill cut short is dropped."""
+    kept = []
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 # ---------------------------------------------------------------------------------------------------------------

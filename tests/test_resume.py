@@ -1,5 +1,6 @@
 """A resume continues exactly the history it started, or stops in one line that says why and what to type: another
-number of processes, a --max_steps below the checkpoint's step. --micro_batch_size may change at a resume."""
+number of processes, a --max_steps below the checkpoint's step. A resume from an older checkpoint sets the later
+history aside. --micro_batch_size may change at a resume. --save_total_limit keeps the newest checkpoints."""
 import json
 import os
 import shutil
@@ -50,6 +51,22 @@ def test_a_max_steps_below_the_checkpoints_step_stops_and_changes_nothing(tmp_pa
     assert open(tmp_path / "args.json").read() == flags and not (tmp_path / "final").exists()
 
 
+def test_a_resume_from_an_older_checkpoint_sets_the_later_history_aside(tmp_path):
+    """Checkpoints 2 and 4, then a resume from 2 that stops after 3, then --resume auto: the run goes on from 3,
+    never from the 4 it left, and ends as the run that never stopped. The 4 and the old log are kept aside."""
+    straight, b = tmp_path / "straight", tmp_path / "b"
+    tg.main([*SHORT, "--save_dir", str(straight)])
+    tg.main([*SHORT, "--save_interval", "2", "--stop_after", "4", "--save_dir", str(b)])
+    old_log = open(b / "metrics.jsonl").read()
+    tg.main(["--resume", str(b / "checkpoint-2"), "--stop_after", "3"])
+    tg.main(["--resume", "auto", "--save_dir", str(b)])
+    assert [r["step"] for r in metrics(b)] == [1, 2, 3, 4, 5]
+    assert computed(metrics(b)) == computed(metrics(straight))
+    assert same_weights(b / "final", straight / "final")
+    assert sorted(os.listdir(b / "abandoned-1")) == ["checkpoint-4", "metrics.jsonl"]
+    assert open(b / "abandoned-1" / "metrics.jsonl").read() == old_log
+
+
 def test_micro_batch_size_may_change_at_a_resume_and_its_step_agrees_to_rounding(tmp_path, capsys, monkeypatch):
     """Resumed with 2 micro-batches of 8 rows instead of one of 16: the step samples what the straight run sampled,
     and its loss and grad norm differ only in the last bits. Under bnpo the micro-batch is part of the loss."""
@@ -77,3 +94,34 @@ def test_micro_batch_size_may_change_at_a_resume_and_its_step_agrees_to_rounding
     line = one_line_error(in_process(capsys, "--micro_batch_size", "8", "--resume", "auto", "--save_dir",
                                      tmp_path / "bnpo"))
     assert "--micro_batch_size 8 differs from 0" in line
+
+
+def test_save_total_limit_keeps_the_newest_and_a_kill_while_deleting_leaves_whole_checkpoints(tmp_path,
+                                                                                              monkeypatch):
+    """--save_total_limit 2 --save_interval 1, killed while it deletes checkpoint-1 after writing checkpoint-3,
+    then resumed: at every moment each checkpoint-<n> folder is whole, and the run ends as the straight one with
+    the newest two."""
+    straight, b = tmp_path / "straight", tmp_path / "b"
+    tg.main([*SHORT, "--save_dir", str(straight)])
+    real = shutil.rmtree
+
+    def killed_half_way(path, *a, **k):
+        # The deletion of checkpoint-1, under whatever name, is killed once its weights are gone.
+        name = os.path.basename(str(path))
+        if name.startswith("checkpoint-1") and not name.endswith(".tmp") and os.path.isdir(path):
+            os.remove(os.path.join(path, "model.safetensors"))
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+    monkeypatch.setattr(tg.shutil, "rmtree", killed_half_way)
+    common = [*SHORT, "--save_total_limit", "2", "--save_interval", "1", "--save_dir", str(b)]
+    with pytest.raises(KeyboardInterrupt):
+        tg.main(common)
+    monkeypatch.undo()
+    whole = [name for name in os.listdir(b) if name.startswith("checkpoint-") and name[11:].isdigit()]
+    assert sorted(whole) == ["checkpoint-2", "checkpoint-3"]
+    assert all((b / name / "model.safetensors").exists() for name in whole)
+    tg.main([*common, "--resume", "auto"])
+    assert sorted(name for name in os.listdir(b) if name.startswith("checkpoint-")) == ["checkpoint-4",
+                                                                                        "checkpoint-5"]
+    assert computed(metrics(b)) == computed(metrics(straight))
+    assert same_weights(b / "final", straight / "final")
