@@ -1413,9 +1413,8 @@ def barrier():
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="GRPO trainer in one file (README.md)",
-        epilog="The defaults shown are the built-in toy task's. A real model (--model_name_or_path) and a built-in "
-               "task (--dataset compare_numbers) bring their own, and --resume brings its run's. Every run writes "
-               "the flags it ran with to <save_dir>/args.json and prints those that differ from the defaults.")
+        epilog="The defaults shown are the toy task's. A real model and a built-in task bring their own, --resume "
+               "its run's. A run writes every flag to <save_dir>/args.json and prints those that differ from these.")
     # argparse's own error prints the usage first; one line is easier to read under torchrun.
     parser.error = lambda message: parser.exit(2, f"error: {message}\n")
     for f in dataclasses.fields(Args):
@@ -1449,10 +1448,10 @@ def resumed_args(args, typed, ckpt, parser):
     """The flags of the run that wrote ckpt, with the typed ones that may change at a resume applied.
     --resume and --stop_after say what this command does, so they are always this command's. --save_dir is the
     checkpoint's own folder unless typed."""
-    path = os.path.join(ckpt, "args.json")
-    if not os.path.isfile(path):
-        parser.error(f"--resume: {ckpt} has no args.json, so the flags of its run are unknown")
-    with open(path) as f:
+    for name in ("args.json", "trainer_state.pt"):
+        if not os.path.isfile(os.path.join(ckpt, name)):
+            parser.error(f"--resume: {ckpt} has no {name}, so it is no checkpoint to continue")
+    with open(os.path.join(ckpt, "args.json")) as f:
         saved = json.load(f)
     names = [f.name for f in dataclasses.fields(Args)]
     unknown = [k for k in saved if k not in names]
@@ -1475,9 +1474,6 @@ def resumed_args(args, typed, ckpt, parser):
         if not may_change and name in saved and value != saved[name]:
             parser.error(f"--{name} {value} differs from {saved[name]}, the value {ckpt} was trained with: a resumed "
                          f"run computes what its run computed (use another --save_dir for a new run)")
-    state_path = os.path.join(ckpt, "trainer_state.pt")
-    if not os.path.isfile(state_path):
-        parser.error(f"--resume: {ckpt} has no trainer_state.pt, so it is no checkpoint to continue")
     # The prompt order and a step's rows depend on the number of processes: each wrote its own rng_state_<rank>.pt.
     trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1485,7 +1481,7 @@ def resumed_args(args, typed, ckpt, parser):
         parser.error(f"--resume: {ckpt} was trained by {trained_by} process(es) and this run has {world}: a resumed "
                      f"run computes what its run computed, so resume it on {trained_by} in all "
                      f"(torchrun --nproc_per_node {trained_by} train_grpo.py --resume ...)")
-    step = torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    step = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True, mmap=True)["step"]
     if resumed.max_steps < step:
         parser.error(f"--max_steps {resumed.max_steps} is below step {step} of {ckpt}: give --max_steps {step} or "
                      f"more, or resume an earlier checkpoint")
