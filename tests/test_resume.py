@@ -71,8 +71,10 @@ def test_micro_batch_size_may_change_at_a_resume_and_its_step_agrees_to_rounding
     """Resumed with 2 micro-batches of 8 rows instead of one of 16: the step samples what the straight run sampled,
     and its loss and grad norm differ only in the last bits. Under bnpo the micro-batch is part of the loss."""
     straight, b = tmp_path / "straight", tmp_path / "b"
-    tg.main([*SHORT, "--max_steps", "3", "--save_dir", str(straight)])
-    tg.main([*SHORT, "--max_steps", "3", "--stop_after", "2", "--save_dir", str(b)])
+    # dapo: its loss is a token sum over rows of different lengths, not a group mean of advantages, which is 0.
+    common = [*SHORT, "--max_steps", "3", "--loss_type", "dapo"]
+    tg.main([*common, "--save_dir", str(straight)])
+    tg.main([*common, "--stop_after", "2", "--save_dir", str(b)])
     rows = []
     real = tg.completion_logps
 
@@ -87,7 +89,7 @@ def test_micro_batch_size_may_change_at_a_resume_and_its_step_agrees_to_rounding
     got, want = metrics(b)[2], metrics(straight)[2]
     for sampled in ("reward", "reward_std", "completion_len", "truncated_frac"):
         assert got[sampled] == want[sampled]
-    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7) and got["loss"] != 0
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5) and abs(want["loss"]) > 1e-3
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
     monkeypatch.undo()
     tg.main([*SHORT, "--loss_type", "bnpo", "--stop_after", "1", "--save_dir", str(tmp_path / "bnpo")])
