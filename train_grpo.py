@@ -105,6 +105,7 @@ class Args:
     seed: int = flag(0, "seed of the model, the data order and the sampling")
     save_dir: str = flag("runs/grpo", "where metrics.jsonl, the checkpoints and final/ go")
     save_interval: int = flag(0, "write checkpoint-<step> every N steps; 0: only at the end")
+    save_total_limit: int = flag(0, "keep the newest N checkpoints, deleting older ones once a newer is whole; 0: all")
     resume: str = flag("", "'auto' (the latest checkpoint in --save_dir) or a checkpoint folder")
     eval_interval: int = flag(50, "greedy held-out eval every N steps, at the last, and before a fresh run; 0: off")
     eval_size: int = flag(256, "held-out prompts")
@@ -1471,18 +1472,18 @@ TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, max_gen_len=8, max_prompt
                                          max_steps=40, eval_interval=10, eval_size=200)}
 
 # A resumed run takes its flags from its checkpoint's args.json. A flag typed at --resume may change how long it
-# runs (not under a cosine schedule), how often it saves and evaluates, where it writes and logs, whether layers are
-# recomputed in backward, and whether remote code may load; any other must match, as it changes what is computed.
-RESUME_MAY_CHANGE = ("max_steps", "save_interval", "eval_interval", "stop_after", "report_to", "run_name",
-                     "save_dir", "resume", "gradient_checkpointing", "trust_remote_code")
+# runs (not under a cosine schedule), how often it saves and evaluates, where it writes and logs, how much memory a
+# step takes, and whether remote code may load; any other must match, as it changes what is computed.
+RESUME_MAY_CHANGE = ("max_steps", "save_interval", "save_total_limit", "eval_interval", "stop_after", "report_to",
+                     "run_name", "save_dir", "resume", "gradient_checkpointing", "trust_remote_code",
+                     "micro_batch_size", "logp_chunk_size")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="GRPO trainer in one file (README.md)",
-        epilog="The defaults shown are the built-in toy task's. A real model (--model_name_or_path) and a built-in "
-               "task (--dataset compare_numbers) bring their own, and --resume brings its run's. Every run writes "
-               "the flags it ran with to <save_dir>/args.json and prints those that differ from the defaults.")
+        epilog="The defaults shown are the toy task's. A real model and a built-in task bring their own, --resume "
+               "its run's. A run writes every flag to <save_dir>/args.json and prints those that differ from these.")
     # argparse's own error prints the usage first; one line is easier to read under torchrun.
     parser.error = lambda message: parser.exit(2, f"error: {message}\n")
     for f in dataclasses.fields(Args):
@@ -1516,10 +1517,10 @@ def resumed_args(args, typed, ckpt, parser):
     """The flags of the run that wrote ckpt, with the typed ones that may change at a resume applied.
     --resume and --stop_after say what this command does, so they are always this command's. --save_dir is the
     checkpoint's own folder unless typed."""
-    path = os.path.join(ckpt, "args.json")
-    if not os.path.isfile(path):
-        parser.error(f"--resume: {ckpt} has no args.json, so the flags of its run are unknown")
-    with open(path) as f:
+    for name in ("args.json", "trainer_state.pt"):
+        if not os.path.isfile(os.path.join(ckpt, name)):
+            parser.error(f"--resume: {ckpt} has no {name}, so it is no checkpoint to continue")
+    with open(os.path.join(ckpt, "args.json")) as f:
         saved = json.load(f)
     names = [f.name for f in dataclasses.fields(Args)]
     unknown = [k for k in saved if k not in names]
@@ -1533,11 +1534,30 @@ def resumed_args(args, typed, ckpt, parser):
         if name == "max_steps" and resumed.lr_scheduler == "cosine":
             # A cosine schedule decays over --max_steps, so there the length sets every step's learning rate.
             may_change = False
+        if name == "micro_batch_size" and (resumed.loss_type == "bnpo" or resumed.use_moe or resumed.entropy_coef
+                                           or resumed.use_adaptive_entropy):
+            # bnpo, the router loss and the entropy bonus average each micro-batch: there its size is part of the loss.
+            may_change = False
         # The resolved value is compared, so that epsilon_high's -1 reads as the epsilon it stands for.
         value = getattr(resumed, name)
         if not may_change and name in saved and value != saved[name]:
             parser.error(f"--{name} {value} differs from {saved[name]}, the value {ckpt} was trained with: a resumed "
                          f"run computes what its run computed (use another --save_dir for a new run)")
+    # The prompt order and a step's rows depend on the number of processes: each wrote its own rng_state_<rank>.pt.
+    trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if trained_by != world:
+        parser.error(f"--resume: {ckpt} was trained by {trained_by} process(es) and this run has {world}: a resumed "
+                     f"run computes what its run computed, so resume it on {trained_by} in all "
+                     f"(torchrun --nproc_per_node {trained_by} train_grpo.py --resume ...)")
+    step = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True, mmap=True)["step"]
+    if resumed.max_steps < step:
+        parser.error(f"--max_steps {resumed.max_steps} is below step {step} of {ckpt}: give --max_steps {step} or "
+                     f"more, or resume an earlier checkpoint")
+    changed = [f"--{n}" for n in ("micro_batch_size", "logp_chunk_size") if getattr(resumed, n) != saved[n]]
+    if changed and os.environ.get("RANK", "0") == "0":
+        print(f"note: {' and '.join(changed)} changed at this resume: the run goes on, but the last bits of its sums "
+              f"differ, so it is no longer bitwise the run that never stopped")
     return resumed
 
 
@@ -1546,8 +1566,8 @@ def check_args(a):
     positive = ("batch_size max_steps max_gen_len max_prompt_len num_iterations learning_rate sft_learning_rate "
                 "temperature").split()
     non_negative = ("micro_batch_size logp_chunk_size beta weight_decay warmup_steps grad_clip sft_warmup_steps "
-                    "save_interval eval_interval eval_size stop_after entropy_coef_delta entropy_coef_min "
-                    "entropy_target epsilon_high").split()
+                    "save_interval save_total_limit eval_interval eval_size stop_after entropy_coef_delta "
+                    "entropy_coef_min entropy_target epsilon_high").split()
     for f in dataclasses.fields(a):
         if f.type is float and not math.isfinite(getattr(a, f.name)):
             yield f"--{f.name} must be a finite number, got {getattr(a, f.name)}"
@@ -1659,8 +1679,20 @@ def save(args, run, state, rank):
         shutil.rmtree(final, ignore_errors=True)
         # A crash before this rename leaves the previous checkpoint as it was.
         os.replace(tmp, final)
+        if args.save_total_limit:
+            delete_oldest(args.save_dir, args.save_total_limit)
     barrier()
     return final
+
+
+def delete_oldest(save_dir, keep):
+    """--save_total_limit: once a checkpoint is whole, the oldest beyond the newest `keep` go. Each is renamed
+    first, in one atomic step, so a kill in the middle of a deletion leaves a folder --resume auto never reads."""
+    for path in checkpoints(save_dir)[:-keep]:
+        os.replace(path, path + ".deleting")
+    # Also what an earlier kill left half deleted.
+    for path in glob.glob(os.path.join(save_dir, "checkpoint-*.deleting")):
+        shutil.rmtree(path)
 
 
 def save_pretrained(model, tokenizer, where):
@@ -1692,10 +1724,20 @@ def changed_flags(args):
     return " ".join(changed)
 
 
-def find_checkpoint(save_dir):
+def checkpoints(save_dir):
+    """The whole checkpoints in save_dir, oldest first. A folder being written or deleted has a suffix."""
     done = [p for p in glob.glob(os.path.join(save_dir, "checkpoint-*"))
             if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))]
-    return max(done, key=lambda p: int(p.rsplit("-", 1)[1]), default=None)
+    return sorted(done, key=step_of)
+
+
+def step_of(path):
+    return int(path.rsplit("-", 1)[1])
+
+
+def find_checkpoint(save_dir):
+    done = checkpoints(save_dir)
+    return done[-1] if done else None
 
 
 def load_weights(model, ckpt, trust_remote_code=False):
@@ -1732,17 +1774,43 @@ def resume(args, ckpt, run, rank):
     state = TrainState(**saved)
     set_rng_state(load(f"rng_state_{rank}.pt"))
     if rank == 0:
-        for name in ("metrics.jsonl", "completions.jsonl"):
-            trim_log(os.path.join(args.save_dir, name), state.step)
+        logs = [os.path.join(args.save_dir, name) for name in ("metrics.jsonl", "completions.jsonl")]
+        set_aside_later_steps(args.save_dir, state.step, logs)
+        for path in logs:
+            trim_log(path, state.step)
         print(f"resumed from {ckpt} at step {state.step}")
     return state
 
 
+def set_aside_later_steps(save_dir, step, logs):
+    """A resume from an older checkpoint starts another history there. The later checkpoints of the history it
+    leaves, its final/ and a copy of its logs move to abandoned-<n>/, where --resume auto never looks. They are
+    moved, not deleted, because only the user may delete what they trained."""
+    later = [p for p in checkpoints(save_dir) if step_of(p) > step]
+    if not later:
+        return
+    if os.path.isdir(os.path.join(save_dir, "final")):
+        later.append(os.path.join(save_dir, "final"))
+    n = 1
+    while os.path.exists(os.path.join(save_dir, f"abandoned-{n}")):
+        n += 1
+    aside = os.path.join(save_dir, f"abandoned-{n}")
+    os.makedirs(aside)
+    for path in logs:
+        if os.path.exists(path):
+            shutil.copy(path, aside)
+    for path in later:
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    names = ", ".join(os.path.basename(p) for p in later)
+    print(f"resuming at step {step}: the history after it ({names}, a copy of its logs) is set aside in {aside}")
+
+
 def trim_log(path, step):
-    """Keep the lines of a log up to `step`, so that a resumed run logs no step twice."""
+    """A .jsonl log keeps its lines up to `step`, where a resume goes on. A line a kill cut short is dropped."""
     kept = []
     if os.path.exists(path):
-        kept = [line for line in open(path) if json.loads(line).get("step", 0) <= step]
+        with open(path) as f:
+            kept = [line for line in f if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
     with open(path, "w") as f:
         f.writelines(kept)
 

@@ -1,0 +1,129 @@
+"""A resume continues exactly the history it started, or stops in one line that says why and what to type: another
+number of processes, a --max_steps below the checkpoint's step. A resume from an older checkpoint sets the later
+history aside. --micro_batch_size may change at a resume. --save_total_limit keeps the newest checkpoints."""
+import json
+import os
+import shutil
+
+import pytest
+from safetensors.torch import load_file
+
+from helpers import FAST, tg
+from test_cli import in_process, one_line_error
+from test_real_path import TIMING, one_thread  # noqa: F401  (an autouse fixture)
+
+SHORT = [*FAST, "--max_steps", "5"]
+
+
+def metrics(save_dir):
+    return [json.loads(line) for line in open(os.path.join(save_dir, "metrics.jsonl"))]
+
+
+def computed(rows):
+    """The logged records without the measured times."""
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def same_weights(a, b):
+    wa, wb = load_file(os.path.join(a, "model.safetensors")), load_file(os.path.join(b, "model.safetensors"))
+    return wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
+
+
+def test_a_checkpoint_of_another_number_of_processes_stops_before_any_work(tmp_path, capsys, monkeypatch):
+    tg.main([*SHORT, "--stop_after", "2", "--save_dir", str(tmp_path)])
+    flags = open(tmp_path / "args.json").read()
+    # A checkpoint of 2 processes holds each one's random state: a copy of rank 0's stands for rank 1's.
+    shutil.copy(tmp_path / "checkpoint-2" / "rng_state_0.pt", tmp_path / "checkpoint-2" / "rng_state_1.pt")
+    line = one_line_error(in_process(capsys, "--resume", "auto", "--save_dir", tmp_path))
+    assert "trained by 2 process(es) and this run has 1" in line and "--nproc_per_node 2" in line
+    os.remove(tmp_path / "checkpoint-2" / "rng_state_1.pt")
+    monkeypatch.setenv("WORLD_SIZE", "2")                      # as torchrun --nproc_per_node 2 sets it
+    line = one_line_error(in_process(capsys, "--resume", "auto", "--save_dir", tmp_path))
+    assert "trained by 1 process(es) and this run has 2" in line and "--nproc_per_node 1" in line
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2] and open(tmp_path / "args.json").read() == flags
+
+
+def test_a_max_steps_below_the_checkpoints_step_stops_and_changes_nothing(tmp_path, capsys):
+    tg.main([*SHORT, "--stop_after", "4", "--save_dir", str(tmp_path)])
+    flags = open(tmp_path / "args.json").read()
+    line = one_line_error(in_process(capsys, "--max_steps", "3", "--resume", "auto", "--save_dir", tmp_path))
+    assert "--max_steps 3 is below step 4" in line and "--max_steps 4 or more" in line
+    assert open(tmp_path / "args.json").read() == flags and not (tmp_path / "final").exists()
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_later_history_aside(tmp_path):
+    """Checkpoints 2 and 4, then a resume from 2 that stops after 3, then --resume auto: the run goes on from 3,
+    never from the 4 it left, and ends as the run that never stopped. The 4 and the old log are kept aside."""
+    straight, b = tmp_path / "straight", tmp_path / "b"
+    tg.main([*SHORT, "--save_dir", str(straight)])
+    tg.main([*SHORT, "--save_interval", "2", "--stop_after", "4", "--save_dir", str(b)])
+    old_log = open(b / "metrics.jsonl").read()
+    tg.main(["--resume", str(b / "checkpoint-2"), "--stop_after", "3"])
+    tg.main(["--resume", "auto", "--save_dir", str(b)])
+    assert [r["step"] for r in metrics(b)] == [1, 2, 3, 4, 5]
+    assert computed(metrics(b)) == computed(metrics(straight))
+    assert same_weights(b / "final", straight / "final")
+    assert sorted(os.listdir(b / "abandoned-1")) == ["checkpoint-4", "metrics.jsonl"]
+    assert open(b / "abandoned-1" / "metrics.jsonl").read() == old_log
+
+
+def test_micro_batch_size_may_change_at_a_resume_and_its_step_agrees_to_rounding(tmp_path, capsys, monkeypatch):
+    """Resumed with 2 micro-batches of 8 rows instead of one of 16: the step samples what the straight run sampled,
+    and its loss and grad norm differ only in the last bits. Under bnpo the micro-batch is part of the loss."""
+    straight, b = tmp_path / "straight", tmp_path / "b"
+    # dapo: its loss is a token sum over rows of different lengths, not a group mean of advantages, which is 0.
+    common = [*SHORT, "--max_steps", "3", "--loss_type", "dapo"]
+    tg.main([*common, "--save_dir", str(straight)])
+    tg.main([*common, "--stop_after", "2", "--save_dir", str(b)])
+    rows = []
+    real = tg.completion_logps
+
+    def counting(model, input_ids, *a, **k):
+        rows.append(input_ids.shape[0])
+        return real(model, input_ids, *a, **k)
+    monkeypatch.setattr(tg, "completion_logps", counting)
+    capsys.readouterr()
+    tg.main(["--micro_batch_size", "8", "--resume", "auto", "--save_dir", str(b)])
+    assert rows == [8, 8]
+    assert "--micro_batch_size changed at this resume" in capsys.readouterr().out
+    got, want = metrics(b)[2], metrics(straight)[2]
+    for sampled in ("reward", "reward_std", "completion_len", "truncated_frac"):
+        assert got[sampled] == want[sampled]
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5) and abs(want["loss"]) > 1e-3
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    monkeypatch.undo()
+    tg.main([*SHORT, "--loss_type", "bnpo", "--stop_after", "1", "--save_dir", str(tmp_path / "bnpo")])
+    line = one_line_error(in_process(capsys, "--micro_batch_size", "8", "--resume", "auto", "--save_dir",
+                                     tmp_path / "bnpo"))
+    assert "--micro_batch_size 8 differs from 0" in line
+
+
+def test_save_total_limit_keeps_the_newest_and_a_kill_while_deleting_leaves_whole_checkpoints(tmp_path,
+                                                                                              monkeypatch):
+    """--save_total_limit 2 --save_interval 1, killed while it deletes checkpoint-1 after writing checkpoint-3,
+    then resumed: at every moment each checkpoint-<n> folder is whole, and the run ends as the straight one with
+    the newest two."""
+    straight, b = tmp_path / "straight", tmp_path / "b"
+    tg.main([*SHORT, "--save_dir", str(straight)])
+    real = shutil.rmtree
+
+    def killed_half_way(path, *a, **k):
+        # The deletion of checkpoint-1, under whatever name, is killed once its weights are gone.
+        name = os.path.basename(str(path))
+        if name.startswith("checkpoint-1") and not name.endswith(".tmp") and os.path.isdir(path):
+            os.remove(os.path.join(path, "model.safetensors"))
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+    monkeypatch.setattr(tg.shutil, "rmtree", killed_half_way)
+    common = [*SHORT, "--save_total_limit", "2", "--save_interval", "1", "--save_dir", str(b)]
+    with pytest.raises(KeyboardInterrupt):
+        tg.main(common)
+    monkeypatch.undo()
+    whole = [name for name in os.listdir(b) if name.startswith("checkpoint-") and name[11:].isdigit()]
+    assert sorted(whole) == ["checkpoint-2", "checkpoint-3"]
+    assert all((b / name / "model.safetensors").exists() for name in whole)
+    tg.main([*common, "--resume", "auto"])
+    assert sorted(name for name in os.listdir(b) if name.startswith("checkpoint-")) == ["checkpoint-4",
+                                                                                        "checkpoint-5"]
+    assert computed(metrics(b)) == computed(metrics(straight))
+    assert same_weights(b / "final", straight / "final")
