@@ -1564,10 +1564,10 @@ def resumed_args(args, typed, ckpt, parser):
 def check_args(a):
     """Every flag against what it means: one message per problem, naming the flag."""
     positive = ("batch_size max_steps max_gen_len max_prompt_len num_iterations learning_rate sft_learning_rate "
-                "temperature").split()
+                "sft_batch_size temperature").split()
     non_negative = ("micro_batch_size logp_chunk_size beta weight_decay warmup_steps grad_clip sft_warmup_steps "
                     "save_interval save_total_limit eval_interval eval_size stop_after entropy_coef_delta "
-                    "entropy_coef_min entropy_target epsilon_high").split()
+                    "entropy_coef_min entropy_target epsilon_high num_completions_to_print").split()
     for f in dataclasses.fields(a):
         if f.type is float and not math.isfinite(getattr(a, f.name)):
             yield f"--{f.name} must be a finite number, got {getattr(a, f.name)}"

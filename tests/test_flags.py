@@ -55,6 +55,9 @@ BAD = [
     (["--reward_weights", "a,b"], "--reward_weights"),
     (["--reward_weights", "1,0.1"], "--reward_weights"),  # the built-in task has one reward function
     (["--micro_batch_size=-1"], "--micro_batch_size must be >= 0"),
+    (["--sft_batch_size", "0"], "--sft_batch_size must be > 0"),
+    (["--num_completions_to_print=-1"], "--num_completions_to_print must be >= 0"),
+    (["--save_total_limit=-1"], "--save_total_limit must be >= 0"),
     (["--warmup_steps", "-1"], "--warmup_steps"),
     (["--grad_clip", "-1"], "--grad_clip"),
     (["--max_gen_len", "0"], "--max_gen_len"),
