@@ -784,12 +784,14 @@ def call_reward(fn, prompts, completions, completion_ids_list, rows):
 
 
 def reward_names(reward_fns):
-    """Each function's name in the logs. A name an earlier function has gets its place: f, g, f_3."""
+    """Each function's name in the logs, made unique: a name an earlier function has gets a number, f_2."""
     names = []
-    for k, fn in enumerate(reward_fns):
+    for fn in reward_fns:
         name = fn.__name__
-        if name in names:
-            name = f"{name}_{k + 1}"
+        n = 2
+        while name in names:
+            name = f"{fn.__name__}_{n}"
+            n += 1
         names.append(name)
     return names
 
@@ -808,9 +810,12 @@ def world_std(values, device="cpu"):
 
 def world_mean_and_std(values, device="cpu"):
     # The mean and the std (n - 1) of every rank's values, in float64, from one all-reduce of a sum, a sum of
-    # squares and a count: std = sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)).
+    # squares and a count: std = sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)). As TRL's nanmean and nanstd, no
+    # value has no mean (NaN), and one value has no std.
     s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(), device=device)
-    return s / max(n, 1), math.sqrt(max(s2 - s * s / max(n, 1), 0.0) / max(n - 1, 1))
+    mean = s / n if n > 0 else math.nan
+    std = math.sqrt(max(s2 - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan
+    return mean, std
 
 
 
@@ -881,13 +886,16 @@ def step_metrics(args, run, batch, state, losses, step_time):
     record = {}
     for name, total in zip(rank_means, world_totals):
         record[name] = total / run.world
-    if batch.rewards_per_func is not None:
-        # Each function's value before its weight, over every row it scored on every rank (a None does not count).
-        for k, name in enumerate(reward_names(run.reward_fns)):
-            values = batch.rewards_per_func[:, k]
-            mean, std = world_mean_and_std(values[~values.isnan()], device)
-            record[f"rewards/{name}/mean"] = mean
-            record[f"rewards/{name}/std"] = std
+    rewards_per_func = batch.rewards_per_func
+    if rewards_per_func is None:
+        # A fork's Batch may bring no values per function. Every rank still runs the same reductions, of nothing.
+        rewards_per_func = torch.full((len(batch.rewards), len(run.reward_fns)), math.nan, dtype=torch.float64)
+    # Each function's value before its weight, over every row it scored on every rank (a None does not count).
+    for k, name in enumerate(reward_names(run.reward_fns)):
+        values = rewards_per_func[:, k]
+        mean, std = world_mean_and_std(values[~values.isnan()], device)
+        record[f"rewards/{name}/mean"] = mean
+        record[f"rewards/{name}/std"] = std
     # The KL and the clipped tokens are token sums, so they are divided by N, the step's masked tokens.
     kl_sum, clipped, cut, tokens = world_sum(losses["kl"], losses["clipped"], batch.prompts_cut,
                                              batch.completion_len.sum(), device=device)
@@ -955,8 +963,8 @@ def train(args, rank, world, device, collect=None):
         sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
     ref_model = frozen_copy(policy, getattr(torch, args.dtype)) if args.beta > 0 else None
     optimizer, scheduler = build_optimizer(policy, args)
-    run = Run(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer,
-                      reward_fns, weights, world, device)
+    run = Run(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer, reward_fns, weights,
+              world, device)
 
     if ckpt:
         state = resume(args, ckpt, run, rank)
@@ -1093,7 +1101,7 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 @torch.no_grad()
 def evaluate(args, run, eval_rows, eval_key, rank, step, per_call=0):
     """Greedy completions of the held-out rows, scored by the task's rewards over all ranks: the eval's metrics
-    (eval_key's mean and each function's, eval_rewards/<name>/mean) and, on rank 0, its rows for
+    (eval_key's mean, and each function's eval_rewards/<name>/mean and std) and, on rank 0, its rows for
     completions.jsonl. A generate call holds at most as many rows as a rollout (B*G) unless `per_call` says so."""
     per_call = per_call or args.batch_size * args.num_generations
     policy = unwrap(run.model)
@@ -1127,7 +1135,9 @@ def evaluate(args, run, eval_rows, eval_key, rank, step, per_call=0):
     table = torch.cat(tables)
     for k, name in enumerate(reward_names(run.reward_fns)):
         values = table[:, k]
-        record[f"eval_rewards/{name}/mean"] = world_mean_and_std(values[~values.isnan()], run.device)[0]
+        mean, std = world_mean_and_std(values[~values.isnan()], run.device)
+        record[f"eval_rewards/{name}/mean"] = mean
+        record[f"eval_rewards/{name}/std"] = std
     return record, samples
 
 
@@ -1213,12 +1223,12 @@ def gsm8k_reference(answer):
 
 
 def gsm8k_correct_reward(completions, answer, **kwargs):
-    # 1.0 if the number after the completion's last '####' equals the reference: lm-eval-harness's strict match.
+    # 1.0 if the number after the completion's first '####' equals the reference: lm-eval-harness's strict match.
     # A completion without '####' gets 0, however right its last number, as in the published GSM8K scores.
     rewards = []
     for completion, target in zip(completions, answer):
         found = re.findall(r"####\s*(" + NUMBER + ")", text_of(completion))
-        rewards.append(float(bool(found) and parse_number(found[-1]) == gsm8k_reference(target)))
+        rewards.append(float(bool(found) and parse_number(found[0]) == gsm8k_reference(target)))
     return rewards
 
 
@@ -1476,7 +1486,7 @@ TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, max_gen_len=8, max_prompt
 # step takes, and whether remote code may load; any other must match, as it changes what is computed.
 RESUME_MAY_CHANGE = ("max_steps", "save_interval", "save_total_limit", "eval_interval", "stop_after", "report_to",
                      "run_name", "save_dir", "resume", "gradient_checkpointing", "trust_remote_code",
-                     "micro_batch_size", "logp_chunk_size")
+                     "micro_batch_size", "logp_chunk_size", "log_completions", "num_completions_to_print")
 
 
 def parse_args(argv=None):
@@ -1771,7 +1781,10 @@ def resume(args, ckpt, run, rank):
     run.optimizer.load_state_dict(saved.pop("optimizer"))
     run.scheduler.load_state_dict(saved.pop("scheduler"))
     run.scaler.load_state_dict(saved.pop("scaler"))
-    state = TrainState(**saved)
+    try:
+        state = TrainState(**saved)
+    except TypeError:
+        raise TrainerError(f"checkpoint {ckpt} was written by another train_grpo.py: its state does not read") from None
     set_rng_state(load(f"rng_state_{rank}.pt"))
     if rank == 0:
         logs = [os.path.join(args.save_dir, name) for name in ("metrics.jsonl", "completions.jsonl")]

@@ -120,7 +120,7 @@ def two_rank_runs():
     ("The answer is $1,250.", "#### 1250", False),
     ("\\boxed{12.5}", "#### 12.5", False),
     ("#### 42\nbut maybe 17", "#### 42", True),          # a tagged answer beats a later number
-    ("#### 17\nno, #### 42", "#### 42", True),           # the last tag counts
+    ("#### 17\nno, #### 42", "#### 17", True),           # the first tag counts, as lm-eval's strict match
     ("#### 12.50", "#### 12.5", True),
     ("#### 0.1", "#### 0.10", True),
     ("no number here", "#### 3", False),

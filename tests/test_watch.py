@@ -2,12 +2,16 @@
 held-out completions on the console. Each number is checked against one computed here from the logged texts."""
 import glob
 import json
+import math
 import statistics
+import sys
 import time
 
 import pytest
 
-from helpers import FAST, run_cli, tg
+import torch
+
+from helpers import FAST, ROOT, free_port, run_cli, run_commands, tg
 from test_custom import wandb_history
 from test_real_path import one_thread  # noqa: F401  (an autouse fixture)
 
@@ -182,3 +186,42 @@ def test_two_reward_functions_of_one_name_are_logged_under_names_that_differ(tmp
     assert res.returncode == 0, res.stderr[-3000:]
     (record,) = lines(tmp_path / "run" / "metrics.jsonl")
     assert (record["rewards/f/mean"], record["rewards/f_2/mean"]) == (1.0, 2.0)
+
+
+def test_a_reward_that_scores_no_row_has_no_mean_and_one_row_no_std_as_trl():
+    """TRL's nanmean and nanstd: a function that returned None everywhere logs NaN, not a 0 that reads as a score."""
+    mean, std = tg.world_mean_and_std(torch.tensor([], dtype=torch.float64))
+    assert math.isnan(mean) and math.isnan(std)
+    mean, std = tg.world_mean_and_std(torch.tensor([0.7], dtype=torch.float64))
+    assert mean == 0.7 and math.isnan(std)
+    assert tg.reward_names([tg.text_of, tg.parse_number, tg.text_of, tg.text_of]) == [
+        "text_of", "parse_number", "text_of_2", "text_of_3"]
+    renamed = type(tg.text_of)(tg.text_of.__code__, {}, "text_of_3")    # a function whose own name is f_3
+    assert tg.reward_names([renamed, tg.text_of, tg.text_of]) == ["text_of_3", "text_of", "text_of_2"]
+
+
+def test_a_forks_batch_without_values_per_function_on_one_rank_neither_hangs_nor_drops_a_metric(tmp_path):
+    """Every rank runs the same reductions whether or not its Batch brings rewards_per_func: a 2-rank run whose
+    collect drops the table on rank 1 only finishes and logs each function's world mean over rank 0's rows."""
+    script = tmp_path / "fork.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {ROOT!r})
+import torch.distributed as dist
+import train_grpo as tg
+
+def collect(args, run, prompt_rows):
+    batch = tg.collect_batch(args, run, prompt_rows)
+    if dist.get_rank() == 1:
+        batch.rewards_per_func = None
+    return batch
+
+tg.main(sys.argv[1:], collect=collect)
+""")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(script), *FAST, "--max_steps", "1", "--log_completions", "1",
+               "--save_dir", str(tmp_path / "run")]
+    (res,) = run_commands(command, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (record,) = lines(tmp_path / "run" / "metrics.jsonl")
+    rank0 = [c["rewards"]["reverse_reward"] for c in lines(tmp_path / "run" / "completions.jsonl")]
+    assert record["rewards/reverse_reward/mean"] == pytest.approx(statistics.mean(rank0))
