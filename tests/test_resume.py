@@ -58,13 +58,15 @@ def test_a_resume_from_an_older_checkpoint_sets_the_later_history_aside(tmp_path
     tg.main([*SHORT, "--save_dir", str(straight)])
     tg.main([*SHORT, "--save_interval", "2", "--stop_after", "4", "--save_dir", str(b)])
     old_log = open(b / "metrics.jsonl").read()
+    old_completions = open(b / "completions.jsonl").read()
     tg.main(["--resume", str(b / "checkpoint-2"), "--stop_after", "3"])
     tg.main(["--resume", "auto", "--save_dir", str(b)])
     assert [r["step"] for r in metrics(b)] == [1, 2, 3, 4, 5]
     assert computed(metrics(b)) == computed(metrics(straight))
     assert same_weights(b / "final", straight / "final")
-    assert sorted(os.listdir(b / "abandoned-1")) == ["checkpoint-4", "metrics.jsonl"]
+    assert sorted(os.listdir(b / "abandoned-1")) == ["checkpoint-4", "completions.jsonl", "metrics.jsonl"]
     assert open(b / "abandoned-1" / "metrics.jsonl").read() == old_log
+    assert open(b / "abandoned-1" / "completions.jsonl").read() == old_completions
 
 
 def test_micro_batch_size_may_change_at_a_resume_and_its_step_agrees_to_rounding(tmp_path, capsys, monkeypatch):
