@@ -165,11 +165,12 @@ class Run:
 @dataclass
 class Batch:
     """This rank's B*G rows as a collect function hands them to train_on_batch: G completions of each prompt side
-    by side, scored, with the log-probs the updates compare against. A fork that brings its completions from
-    elsewhere (a vLLM server, a replay buffer) builds one of these; every metric is computed from it."""
+    by side, scored. A fork that brings its completions from elsewhere (a vLLM server, a replay buffer) builds one
+    of these. Every metric is computed from it: the per-function ones from rewards_per_func (NaN without it), and
+    generate_time is what the fork puts there."""
     input_ids: torch.Tensor        # [B*G, P + T], each left-padded prompt, then its completion
     attention_mask: torch.Tensor   # [B*G, P + T]
-    completion_mask: torch.Tensor  # [B*G, T], m: 1 up to and including the first EOS
+    completion_mask: torch.Tensor  # [B*G, T], m: 1 up to and including the first EOS, the tokens that train
     advantages: torch.Tensor       # [B*G], A
     rewards: torch.Tensor          # [B*G], r
     completion_len: torch.Tensor   # [B*G], tokens up to the EOS, counted before --mask_truncated_completions
@@ -403,9 +404,10 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
                      entropy_grad=False, with_entropy=True):
     """Log-probs and entropy of each row's last T tokens, [rows, T] each, and the MoE router loss or None.
 
-    The decoder's last hidden states go through lm_head chunk_size tokens at a time, so at most that many tokens'
-    logits exist at once: at a real vocabulary a small part of the batch (110 tokens at Qwen's 151,936), at the
-    toy's all of it. With grad, call it with the DDP wrapper: the wrapper's forward is what syncs the gradients.
+    The decoder's last hidden states go through lm_head chunk_size tokens at a time, so the [rows, T, V] logits never
+    exist at once: a chunk's do, beside the model's own for each row's last position (a few chunks with grad). At a
+    real vocabulary a chunk is a small part of the batch (110 tokens at Qwen's 151,936), at the toy's all of it.
+    With grad, call it with the DDP wrapper: the wrapper's forward is what syncs the gradients.
     """
     T = num_completion_tokens
     # Positions count real tokens only, as generate() counted them under left padding.
@@ -583,13 +585,13 @@ def clip_grad_norm(model, max_norm):
 
 
 # ===============================================================================================================
-# The math of a GRPO step ends here. Above is every formula a step computes. Below is the plumbing it calls by a
-# name that says what it does: render_prompt and tokenize_prompts (stage 1), rollout with completion_token_ids
-# and unwrap (stage 2), reward_prompt and score_completions (stage 3, which calls the task's reward functions),
+# The math of a GRPO step ends here: above is every formula a default step computes. Below is the plumbing it
+# calls by a name that says what it does: render_prompt and tokenize_prompts (stage 1), rollout and unwrap
+# (stage 2), completion_token_ids, reward_prompt and score_completions (stage 3, which calls the reward functions),
 # world_sum and world_std (sums over the ranks), forward_last_hidden, lm_logits, auto_chunk_tokens and is_moe
-# (stage 7), reset_peak_memory and step_metrics (stage 14). The loop below also builds what a Run holds before the first
-# step (the DDP wrapper, the frozen reference, the loss scaler, a model without dropout) and draws each step's
-# prompts. Then come the tasks and rewards, models, processes, flags, checkpoints and logging.
+# (stage 7), reset_peak_memory and step_metrics (stage 14). The loop below also builds what a Run holds before the
+# first step (the DDP wrapper, the frozen reference, the loss scaler, a model without dropout) and draws each
+# step's prompts. Then come the tasks and rewards, models, processes, flags, checkpoints and logging.
 # ===============================================================================================================
 
 
