@@ -191,6 +191,7 @@ def grpo_step(args, run, prompt_rows, state, collect=None):
     reset_peak_memory(run.device)
     batch = collect(args, run, prompt_rows)
     losses = train_on_batch(args, run, batch, state)
+    # The record (below the line) only reads the batch and the losses: it changes no weight.
     return step_metrics(args, run, batch, state, losses, time.time() - started), batch
 
 
@@ -202,13 +203,14 @@ def collect_batch(args, run, prompt_rows):
     policy = unwrap(run.model)
     tokenizer = run.tokenizer
 
-    # 1. Prompts. Each one is repeated G times, so the G rows of a group sit side by side.
+    # 1. Prompts. Each one is repeated G times, so the G rows of a group sit side by side. Each is rendered as text
+    # (a chat template applied) and tokenized left-padded; a prompt too long loses its start, never its BOS.
     group_rows = [row for row in prompt_rows for _ in range(G)]
     texts = [render_prompt(tokenizer, row) for row in prompt_rows]
     prompt_ids, prompt_mask, prompts_cut = tokenize_prompts(tokenizer, texts, args.max_prompt_len, device, G)
 
-    # 2. Rollout. The bare policy samples from softmax(z / temperature) and nothing else, since that is the
-    # distribution the ratio scores. The mask keeps each completion up to its first EOS (completion_mask).
+    # 2. Rollout. model.generate on the bare policy samples from softmax(z / temperature) and nothing else, since
+    # that is the distribution the ratio scores. The mask keeps each completion up to its first EOS (completion_mask).
     started = time.time()
     with autocast(args, device):
         completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
@@ -216,7 +218,8 @@ def collect_batch(args, run, prompt_rows):
                                                   static_cache=device.type == "cuda")
     generate_time = time.time() - started
 
-    # 3. Rewards of the completions as generated, each function's value per completion, then their weighted sum.
+    # 3. Rewards. Each function gets what TRL gives it (the prompts, the decoded completions, their ids and the
+    # dataset's columns); score_completions checks that each value is a finite number or None.
     completion_ids_list = completion_token_ids(completion_ids, mask)
     completions = tokenizer.batch_decode(completion_ids_list, skip_special_tokens=True)
     prompts = []
@@ -419,6 +422,7 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     if moe:
         inputs["output_router_logits"] = True
+    # The decoder's last hidden state [rows, P + T, H], caught on its way to the model's own lm_head.
     hidden, out = forward_last_hidden(net, **inputs)
     aux = out.aux_loss if moe else None
     # The hidden state before token t predicts token t.
@@ -427,6 +431,7 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     rows = targets.shape[0]
     bare = unwrap(model)
     vocab = bare.get_output_embeddings().weight.shape[0]
+    # By default, as many tokens as fit 64 MiB of float32 logits.
     chunk_size = chunk_size or auto_chunk_tokens(vocab)
     logps = []
     entropy = []
@@ -444,6 +449,7 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
 
 def _chunk_logps_entropy(model, hidden, targets, temperature, entropy_grad, with_entropy=True):
     """One chunk: hidden [c, H] -> logits [c, V], which exist only here -> log-probs [c] and entropy [c]."""
+    # z = lm_head(h), times any scale the model's config applies after it.
     logits = lm_logits(model, hidden).float()
     if temperature != 1.0:
         # In place, so no second [c, V] tensor exists.

@@ -25,7 +25,8 @@ def test_short_run_writes_finite_metrics_and_a_loadable_model(short_runs, use_mo
     # greedy evals and saves print nothing beside the bar: no sampling-flag warning, no "Writing model shards"
     assert "generation flags" not in res.stderr and "Writing model shards" not in res.stderr
     rows = [json.loads(l) for l in open(save_dir / "metrics.jsonl")]
-    assert sorted(rows[0]) == ["eval_accuracy", "eval_rewards/reverse_reward/mean", "step"]  # before the first update
+    assert sorted(rows[0]) == ["eval_accuracy", "eval_rewards/reverse_reward/mean", "eval_rewards/reverse_reward/std",
+                               "step"]  # before the first update
     assert rows[0]["step"] == 0
     steps = rows[1:]
     assert [r["step"] for r in steps] == [1, 2, 3]
