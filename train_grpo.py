@@ -944,8 +944,7 @@ def train(args, rank, world, device, collect=None):
     grpo_step's: None samples from the policy."""
     started = time.time()
     ckpt = checkpoint_to_resume(args)
-    resumes_here = ckpt is not None and os.path.abspath(os.path.dirname(os.path.normpath(ckpt))) == os.path.abspath(
-        args.save_dir)
+    resumes_here = ckpt is not None and os.path.dirname(os.path.abspath(ckpt)) == os.path.abspath(args.save_dir)
     if find_checkpoint(args.save_dir) and not resumes_here:
         # Another run there would mix two runs in one folder, and a later --resume auto would pick the wrong one.
         raise TrainerError(f"--save_dir {args.save_dir} holds the checkpoints of an earlier run: continue it with "
@@ -1544,7 +1543,7 @@ def resumed_args(args, typed, ckpt, parser):
     unknown = [k for k in saved if k not in names]
     if unknown:
         parser.error(f"--resume: {ckpt} was written by another train_grpo.py (flags {', '.join(unknown)})")
-    save_dir = typed.get("save_dir", os.path.dirname(os.path.normpath(ckpt)))
+    save_dir = typed.get("save_dir", os.path.dirname(os.path.abspath(ckpt)))
     this_command = {"save_dir": save_dir, "resume": args.resume, "stop_after": args.stop_after}
     resumed = Args(**{**saved, **typed, **this_command})
     for name in typed:
@@ -1572,6 +1571,8 @@ def resumed_args(args, typed, ckpt, parser):
     if resumed.max_steps < step:
         parser.error(f"--max_steps {resumed.max_steps} is below step {step} of {ckpt}: give --max_steps {step} or "
                      f"more, or resume an earlier checkpoint")
+    if 0 < resumed.stop_after <= step:
+        parser.error(f"--stop_after {resumed.stop_after} is not after step {step} of {ckpt}: give a later step")
     changed = [f"--{n}" for n in ("micro_batch_size", "logp_chunk_size") if getattr(resumed, n) != saved[n]]
     if changed and os.environ.get("RANK", "0") == "0":
         print(f"note: {' and '.join(changed)} changed at this resume: the run goes on, but the last bits of its sums "
@@ -1810,8 +1811,10 @@ def set_aside_later_steps(save_dir, step, logs):
     later = [p for p in checkpoints(save_dir) if step_of(p) > step]
     if not later:
         return
-    if os.path.isdir(os.path.join(save_dir, "final")):
-        later.append(os.path.join(save_dir, "final"))
+    # The wandb run's id goes too, so the new history logs to a new wandb run, which drops no step it logs again.
+    for name in ("final", "wandb_run_id"):
+        if os.path.exists(os.path.join(save_dir, name)):
+            later.append(os.path.join(save_dir, name))
     n = 1
     while os.path.exists(os.path.join(save_dir, f"abandoned-{n}")):
         n += 1
@@ -1832,8 +1835,10 @@ def trim_log(path, step):
     if os.path.exists(path):
         with open(path) as f:
             kept = [line for line in f if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
-    with open(path, "w") as f:
+    # Written aside and renamed, so that a kill leaves the log whole, trimmed or not.
+    with open(path + ".tmp", "w") as f:
         f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 # ---------------------------------------------------------------------------------------------------------------

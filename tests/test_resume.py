@@ -129,3 +129,45 @@ def test_save_total_limit_keeps_the_newest_and_a_kill_while_deleting_leaves_whol
                                                                                         "checkpoint-5"]
     assert computed(metrics(b)) == computed(metrics(straight))
     assert same_weights(b / "final", straight / "final")
+
+
+def test_a_kill_while_a_log_is_trimmed_leaves_the_log_whole(tmp_path, monkeypatch):
+    """The trimmed log is written aside and renamed: a kill before the rename (here os.replace raising) leaves the
+    log as it was, never empty."""
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 5)))
+    before = log.read_text()
+
+    def killed(*args):
+        raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(tg.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tg.trim_log(str(log), 2)
+    assert log.read_text() == before
+    monkeypatch.undo()
+    tg.trim_log(str(log), 2)
+    assert [json.loads(line)["step"] for line in open(log)] == [1, 2]
+
+
+def test_a_checkpoint_named_from_inside_its_folder_resumes_there(tmp_path, monkeypatch):
+    tg.main([*SHORT, "--stop_after", "2", "--save_dir", str(tmp_path / "a")])
+    monkeypatch.chdir(tmp_path / "a")
+    tg.main(["--resume", "checkpoint-2"])
+    assert [r["step"] for r in metrics(tmp_path / "a")] == [1, 2, 3, 4, 5]
+
+
+def test_a_stop_after_not_after_the_checkpoints_step_stops_in_one_line(tmp_path, capsys):
+    tg.main([*SHORT, "--stop_after", "2", "--save_dir", str(tmp_path)])
+    line = one_line_error(in_process(capsys, "--resume", "auto", "--stop_after", "2", "--save_dir", tmp_path))
+    assert "--stop_after 2 is not after step 2" in line
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_an_abandoned_history_takes_its_wandb_run_with_it(tmp_path):
+    """wandb drops a step it has already seen, so the new history must log to a new wandb run."""
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "wandb_run_id").write_text("abcd1234")
+    tg.set_aside_later_steps(str(tmp_path), 2, [])
+    assert sorted(p.name for p in (tmp_path / "abandoned-1").iterdir()) == ["checkpoint-4", "wandb_run_id"]
+    assert not (tmp_path / "wandb_run_id").exists()
