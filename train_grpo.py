@@ -1854,8 +1854,11 @@ def log_step(args, record, samples, rank, report=None):
     with open(os.path.join(args.save_dir, "completions.jsonl"), "a") as f:
         for sample in samples:
             f.write(json.dumps(sample) + "\n")
-    shown = [sample for sample in samples if sample["split"] == "eval"][:args.num_completions_to_print]
-    for sample in shown:
+    evals = [sample for sample in samples if sample["split"] == "eval"]
+    # The same held-out prompts at every eval, spread over the set, so a reader watches each answer change.
+    shown = min(args.num_completions_to_print, len(evals))
+    for i in range(shown):
+        sample = evals[i * len(evals) // shown]
         # Model text is shown escaped and cut, so a control character or a long completion cannot garble the console.
         tqdm.write(f"  step {sample['step']} held-out {printable(sample['prompt'], 40, tail=True)} -> "
                    f"{printable(sample['completion'])}, reward {sample['reward']:.3f}")

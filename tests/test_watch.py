@@ -140,9 +140,9 @@ def test_the_console_shows_held_out_completions_at_each_eval_escaped_and_cut(tmp
     shown = [line for line in capsys.readouterr().out.splitlines() if "held-out '" in line]
     evals = [c for c in lines(tmp_path / "a" / "completions.jsonl") if c["split"] == "eval"]
     assert len(shown) == 2 * 2                                                # 2 evals, 2 completions each
-    first = evals[0]
-    assert shown[0] == (f"  step 0 held-out '{first['prompt']}' -> '{first['completion']}', "
-                        f"reward {first['reward']:.3f}")
+    for line, sample in zip(shown, [evals[0], evals[8], evals[16], evals[24]]):  # rows 0 and 8 of 16, each eval
+        assert line == (f"  step {sample['step']} held-out '{sample['prompt']}' -> '{sample['completion']}', "
+                        f"reward {sample['reward']:.3f}")
     tg.main(FAST + ["--max_steps", "1", "--eval_interval", "1", "--num_completions_to_print", "0",
                     "--save_dir", str(tmp_path / "b")])
     assert "held-out '" not in capsys.readouterr().out
