@@ -166,7 +166,7 @@ class Run:
 class Batch:
     """This rank's B*G rows as a collect function hands them to train_on_batch: G completions of each prompt side
     by side, scored. A fork that brings its completions from elsewhere (a vLLM server, a replay buffer) builds one
-    of these. Every metric is computed from it: the per-function ones from rewards_per_func (NaN without it), and
+    of these. The step's metrics read it: the per-function ones read rewards_per_func (NaN without it), and
     generate_time is what the fork puts there."""
     input_ids: torch.Tensor        # [B*G, P + T], each left-padded prompt, then its completion
     attention_mask: torch.Tensor   # [B*G, P + T]
@@ -176,7 +176,7 @@ class Batch:
     completion_len: torch.Tensor   # [B*G], tokens up to the EOS, counted before --mask_truncated_completions
     truncated: torch.Tensor        # [B*G], True where a completion never emitted an EOS
     rewards_per_func: object = None  # [B*G, K], each reward function's value before its weight; NaN: None
-    old_logps: object = None       # [B*G, T] without a graph, the sampler's; None: the policy's, before update 1
+    old_logps: object = None       # [B*G, T] without a graph, the sampler's; None: the policy's (stage 6)
     ref_logps: object = None       # [B*G, T] without a graph, the reference's; None: computed when beta > 0
     prompts_cut: int = 0           # prompts that lost their start to --max_prompt_len
     generate_time: float = 0.0     # seconds spent sampling
@@ -238,7 +238,7 @@ def collect_batch(args, run, prompt_rows):
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     # Built from the mask after that, as in TRL, so a silenced completion is not attended to either.
     attention_mask = torch.cat([prompt_mask, mask], 1)
-    # The policy sampled these completions, so old_logps stays None: train_on_batch computes it (stage 6).
+    # The policy sampled these completions, so old_logps stays None: train_on_batch takes the policy's (stage 6).
     return Batch(input_ids=input_ids, attention_mask=attention_mask, completion_mask=mask, advantages=advantages,
                  rewards=rewards, completion_len=completion_len, truncated=truncated,
                  rewards_per_func=rewards_per_func, prompts_cut=prompts_cut, generate_time=generate_time)
