@@ -1851,9 +1851,10 @@ def log_step(args, record, samples, rank, report=None):
         return
     with open(os.path.join(args.save_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
-    with open(os.path.join(args.save_dir, "completions.jsonl"), "a") as f:
-        for sample in samples:
-            f.write(json.dumps(sample) + "\n")
+    if samples:
+        with open(os.path.join(args.save_dir, "completions.jsonl"), "a") as f:
+            for sample in samples:
+                f.write(json.dumps(sample) + "\n")
     evals = [sample for sample in samples if sample["split"] == "eval"]
     # The same held-out prompts at every eval, spread over the set, so a reader watches each answer change.
     shown = min(args.num_completions_to_print, len(evals))
