@@ -894,16 +894,7 @@ def step_metrics(args, run, batch, state, losses, step_time):
     record = {}
     for name, total in zip(rank_means, world_totals):
         record[name] = total / run.world
-    rewards_per_func = batch.rewards_per_func
-    if rewards_per_func is None:
-        # A fork's Batch may bring no values per function. Every rank still runs the same reductions, of nothing.
-        rewards_per_func = torch.full((len(batch.rewards), len(run.reward_fns)), math.nan, dtype=torch.float64)
-    # Each function's value before its weight, over every row it scored on every rank (a None does not count).
-    for k, name in enumerate(reward_names(run.reward_fns)):
-        values = rewards_per_func[:, k]
-        mean, std = world_mean_and_std(values[~values.isnan()], device)
-        record[f"rewards/{name}/mean"] = mean
-        record[f"rewards/{name}/std"] = std
+    record.update(reward_metrics("rewards", run.reward_fns, values_per_func(batch, run), device))
     # The KL and the clipped tokens are token sums, so they are divided by N, the step's masked tokens.
     kl_sum, clipped, cut, tokens = world_sum(losses["kl"], losses["clipped"], batch.prompts_cut,
                                              batch.completion_len.sum(), device=device)
@@ -917,6 +908,26 @@ def step_metrics(args, run, batch, state, losses, step_time):
         record["loss_scale"] = run.scaler.get_scale()
     record.update({"step_time": step_time, "generate_time": batch.generate_time, "tokens_per_s": tokens / step_time,
                    "peak_mem_gib": peak_memory_gib(run.device)})
+    return record
+
+
+def values_per_func(batch, run):
+    """The batch's [rows, K] values per reward function. A fork's Batch may bring none: then all NaN, so every rank
+    still runs the same reductions, of nothing."""
+    if batch.rewards_per_func is None:
+        return torch.full((len(batch.rewards), len(run.reward_fns)), math.nan, dtype=torch.float64)
+    return batch.rewards_per_func
+
+
+def reward_metrics(prefix, reward_fns, rewards_per_func, device):
+    """<prefix>/<name>/mean and std: each function's value before its weight, over every row it scored on every
+    rank (a None, NaN here, does not count)."""
+    record = {}
+    for k, name in enumerate(reward_names(reward_fns)):
+        values = rewards_per_func[:, k]
+        mean, std = world_mean_and_std(values[~values.isnan()], device)
+        record[f"{prefix}/{name}/mean"] = mean
+        record[f"{prefix}/{name}/std"] = std
     return record
 
 
@@ -983,7 +994,7 @@ def train(args, rank, world, device, collect=None):
         torch.manual_seed(args.seed + 1 + rank)
         random.seed(args.seed + 1 + rank)
         if rank == 0:
-            for name in ("metrics.jsonl", "completions.jsonl"):
+            for name in LOGS:
                 open(os.path.join(args.save_dir, name), "w").close()
         if args.eval_interval > 0:
             record, samples = evaluate(args, run, eval_rows, eval_key, rank, step=0)
@@ -1139,12 +1150,7 @@ def evaluate(args, run, eval_rows, eval_key, rank, step, per_call=0):
             samples += completion_samples(step, "eval", run, ids, prompt_mask, completions, table, rewards)
     total, count = world_sum(total, len(mine), device=run.device)
     record = {eval_key: total / max(count, 1)}
-    table = torch.cat(tables)
-    for k, name in enumerate(reward_names(run.reward_fns)):
-        values = table[:, k]
-        mean, std = world_mean_and_std(values[~values.isnan()], run.device)
-        record[f"eval_rewards/{name}/mean"] = mean
-        record[f"eval_rewards/{name}/std"] = std
+    record.update(reward_metrics("eval_rewards", run.reward_fns, torch.cat(tables), run.device))
     return record, samples
 
 
@@ -1796,7 +1802,7 @@ def resume(args, ckpt, run, rank):
         raise TrainerError(f"checkpoint {ckpt} was written by another train_grpo.py: its state does not read") from None
     set_rng_state(load(f"rng_state_{rank}.pt"))
     if rank == 0:
-        logs = [os.path.join(args.save_dir, name) for name in ("metrics.jsonl", "completions.jsonl")]
+        logs = [os.path.join(args.save_dir, name) for name in LOGS]
         set_aside_later_steps(args.save_dir, state.step, logs)
         for path in logs:
             trim_log(path, state.step)
@@ -1844,6 +1850,10 @@ def trim_log(path, step):
 # ---------------------------------------------------------------------------------------------------------------
 # Logging.
 # ---------------------------------------------------------------------------------------------------------------
+# The two logs in --save_dir, one JSON line per record: a resume trims both back to its step.
+LOGS = ("metrics.jsonl", "completions.jsonl")
+
+
 def log_step(args, record, samples, rank, report=None):
     """Rank 0 appends the step's record to metrics.jsonl and its completions to completions.jsonl, prints a few of
     the eval's, and hands both to --report_to's logger, if any."""
@@ -1886,7 +1896,7 @@ def batch_samples(step, batch, run):
     completion_ids = completion_token_ids(batch.input_ids[:, P:], kept)
     completions = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return completion_samples(step, "train", run, batch.input_ids[:, :P], batch.attention_mask[:, :P], completions,
-                              batch.rewards_per_func, batch.rewards, batch.advantages)
+                              values_per_func(batch, run), batch.rewards, batch.advantages)
 
 
 def completion_samples(step, split, run, prompt_ids, prompt_mask, completions, rewards_per_func, rewards,
@@ -1899,8 +1909,8 @@ def completion_samples(step, split, run, prompt_ids, prompt_mask, completions, r
     for i, completion in enumerate(completions):
         values = {}
         for k, name in enumerate(names):
-            value = None if rewards_per_func is None else rewards_per_func[i, k].item()
-            values[name] = None if value is None or math.isnan(value) else value
+            value = rewards_per_func[i, k].item()
+            values[name] = None if math.isnan(value) else value
         samples.append({"step": step, "split": split, "rank": 0,
                         "prompt": run.tokenizer.decode(prompt_ids[i][prompt_mask[i].bool()]),
                         "completion": completion, "rewards": values, "reward": rewards[i].item(),
