@@ -696,7 +696,6 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     return completion_ids, mask, truncated
 
 
-
 def eos_token_ids(model, tokenizer):
     """Every id that ends a completion: the tokenizer's EOS and the generation config's (Llama-3 has three)."""
     declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -712,7 +711,6 @@ def completion_token_ids(completion_ids, mask):
 
 def unwrap(model):
     return model.module if isinstance(model, DDP) else model
-
 
 
 class TrainerError(Exception):
@@ -734,7 +732,6 @@ def reward_prompt(row, text):
     if "prompt" not in row:
         return text
     return copy.deepcopy(row["prompt"])
-
 
 
 def score_completions(reward_fns, prompts, completions, completion_ids_list, rows):
@@ -790,7 +787,6 @@ def call_reward(fn, prompts, completions, completion_ids_list, rows):
     return values
 
 
-
 def reward_names(reward_fns):
     """Each function's name in the logs, made unique: a name an earlier function has gets a number, f_2."""
     names = []
@@ -826,7 +822,6 @@ def world_mean_and_std(values, device="cpu"):
     return mean, std
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Plumbing of stage 7: the decoder's last hidden state, and logits as the model's own forward makes them.
 # ---------------------------------------------------------------------------------------------------------------
@@ -848,7 +843,6 @@ def forward_last_hidden(model, **inputs):
     return caught[0], out
 
 
-
 def lm_logits(model, hidden):
     # z = lm_head(h), then what the model's own forward applies after it. check_output_head refuses the rest.
     config = model.config.get_text_config()
@@ -862,7 +856,6 @@ def lm_logits(model, hidden):
     return z
 
 
-
 # At a real vocabulary, [rows, T, V] logits would be the largest tensor of a step, so a chunk of fp32 logits is
 # bounded in bytes instead.
 LOGITS_BUDGET_MIB = 64
@@ -871,7 +864,6 @@ LOGITS_BUDGET_MIB = 64
 def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
     # tokens = budget / (V * 4 bytes), at least 1
     return max(1, budget_mib * 2**20 // (vocab_size * 4))
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -944,7 +936,6 @@ def peak_memory_gib(device):
     # Linux reports ru_maxrss in KiB, macOS in bytes.
     unit = 1 if sys.platform == "darwin" else 2**10
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**30
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1285,22 +1276,29 @@ def load_reward_funcs(spec):
 
 def load_task(args, world):
     """Train rows, held-out rows, the reward functions and weights, and the name of the eval's score."""
+    reward_fns, weights = task_rewards(args)
+    if args.reward_funcs:
+        reward_fns = load_reward_funcs(args.reward_funcs)
+        weights = [1.0] * len(reward_fns)
+    if args.reward_weights:
+        try:
+            weights = [float(w) for w in args.reward_weights.split(",")]
+        except ValueError:
+            weights = []
+        if len(weights) != len(reward_fns) or not all(map(math.isfinite, weights)):
+            names = ", ".join(fn.__name__ for fn in reward_fns)
+            raise TrainerError(f"--reward_weights {args.reward_weights!r}: give {len(reward_fns)} finite numbers, "
+                               f"comma-separated, one for each reward function ({names})")
     if not args.dataset:
         train_rows, eval_rows = make_reverse_task(args.eval_size)
     elif args.dataset == "compare_numbers":
         train_rows, eval_rows = make_compare_task(args.eval_size)
     else:
         train_rows, eval_rows = load_rows(args)
-    reward_fns, weights = task_rewards(args)
     built_in = args.dataset in ("", "compare_numbers", "gsm8k")
     if not built_in and not args.reward_funcs and not all(is_gsm8k_row(row) for row in train_rows):
         raise TrainerError(f"--dataset {args.dataset}: its rows are not GSM8K's (a 'question', and an 'answer' "
                            f"with '#### N'), so no built-in reward scores them: give --reward_funcs")
-    if args.reward_funcs:
-        reward_fns = load_reward_funcs(args.reward_funcs)
-        weights = [1.0] * len(reward_fns)
-    if args.reward_weights:
-        weights = [float(w) for w in args.reward_weights.split(",")]
     if len(train_rows) < args.batch_size * world:
         raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than batch_size * ranks = "
                            f"{args.batch_size * world}")
@@ -1386,11 +1384,14 @@ def load_model_and_tokenizer(args, device):
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         name = args.model_name_or_path
-        where = name
+        where = os.path.expanduser(name)
+        # from_pretrained would read a missing local path as a malformed hub name.
+        if name.startswith((".", "/", "~")) and not os.path.exists(where):
+            raise TrainerError(f"--model_name_or_path {name}: no such file or folder")
         kwargs = {"trust_remote_code": bool(args.trust_remote_code)}
         if name.endswith(".gguf"):
             # transformers reads the weights, the tokenizer and the chat template from the one file.
-            where, kwargs["gguf_file"] = os.path.split(os.path.abspath(os.path.expanduser(name)))
+            where, kwargs["gguf_file"] = os.path.split(os.path.abspath(where))
         try:
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
@@ -1540,45 +1541,37 @@ def resumed_args(args, typed, ckpt, parser):
     """The flags of the run that wrote ckpt, with the typed ones that may change at a resume applied.
     --resume and --stop_after say what this command does, so they are always this command's. --save_dir is the
     checkpoint's own folder unless typed."""
-    for name in ("args.json", "trainer_state.pt"):
-        if not os.path.isfile(os.path.join(ckpt, name)):
-            parser.error(f"--resume: {ckpt} has no {name}, so it is no checkpoint to continue")
-    with open(os.path.join(ckpt, "args.json")) as f:
-        saved = json.load(f)
-    names = [f.name for f in dataclasses.fields(Args)]
-    unknown = [k for k in saved if k not in names]
-    if unknown:
-        parser.error(f"--resume: {ckpt} was written by another train_grpo.py (flags {', '.join(unknown)})")
-    save_dir = typed.get("save_dir", os.path.dirname(os.path.abspath(ckpt)))
-    this_command = {"save_dir": save_dir, "resume": args.resume, "stop_after": args.stop_after}
-    resumed = Args(**{**saved, **typed, **this_command})
+    this_command = {"save_dir": typed.get("save_dir", os.path.dirname(os.path.abspath(ckpt))),
+                    "resume": args.resume, "stop_after": args.stop_after}
+    try:
+        with open(os.path.join(ckpt, "args.json")) as f:
+            saved = json.load(f)
+        resumed = Args(**{**saved, **typed, **this_command})
+        state_file = os.path.join(ckpt, "trainer_state.pt")
+        step = torch.load(state_file, map_location="cpu", weights_only=True, mmap=True)["step"]
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        parser.error(f"--resume: {ckpt} is not a checkpoint this train_grpo.py can continue ({one_line(e)})")
     for name in typed:
-        may_change = name in RESUME_MAY_CHANGE
-        if name == "max_steps" and resumed.lr_scheduler == "cosine":
-            # A cosine schedule decays over --max_steps, so there the length sets every step's learning rate.
-            may_change = False
-        if name == "micro_batch_size" and (resumed.loss_type == "bnpo" or resumed.use_moe or resumed.entropy_coef
-                                           or resumed.use_adaptive_entropy):
-            # bnpo, the router loss and the entropy bonus average each micro-batch: there its size is part of the loss.
-            may_change = False
+        fixed = name not in RESUME_MAY_CHANGE
+        # A cosine schedule decays over --max_steps, so there the length sets every step's learning rate.
+        fixed |= name == "max_steps" and resumed.lr_scheduler == "cosine"
+        # bnpo, the router loss and the entropy bonus average each micro-batch: there its size is part of the loss.
+        fixed |= name == "micro_batch_size" and bool(resumed.loss_type == "bnpo" or resumed.use_moe
+                                                     or resumed.entropy_coef or resumed.use_adaptive_entropy)
         # The resolved value is compared, so that epsilon_high's -1 reads as the epsilon it stands for.
         value = getattr(resumed, name)
-        if not may_change and name in saved and value != saved[name]:
+        if fixed and name in saved and value != saved[name]:
             parser.error(f"--{name} {value} differs from {saved[name]}, the value {ckpt} was trained with: a resumed "
                          f"run computes what its run computed (use another --save_dir for a new run)")
     # The prompt order and a step's rows depend on the number of processes: each wrote its own rng_state_<rank>.pt.
     trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if trained_by != world:
-        parser.error(f"--resume: {ckpt} was trained by {trained_by} process(es) and this run has {world}: a resumed "
-                     f"run computes what its run computed, so resume it on {trained_by} in all "
-                     f"(torchrun --nproc_per_node {trained_by} train_grpo.py --resume ...)")
-    step = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True, mmap=True)["step"]
-    if resumed.max_steps < step:
-        parser.error(f"--max_steps {resumed.max_steps} is below step {step} of {ckpt}: give --max_steps {step} or "
-                     f"more, or resume an earlier checkpoint")
-    if 0 < resumed.stop_after <= step:
-        parser.error(f"--stop_after {resumed.stop_after} is not after step {step} of {ckpt}: give a later step")
+        parser.error(f"--resume: {ckpt} was trained by {trained_by} process(es) and this run has {world}: resume it "
+                     f"on {trained_by} (torchrun --nproc_per_node {trained_by} train_grpo.py --resume ...)")
+    if resumed.max_steps < step or 0 < resumed.stop_after <= step:
+        parser.error(f"--resume: {ckpt} is at step {step}, so --max_steps must be {step} or more and a --stop_after "
+                     f"after it")
     changed = [f"--{n}" for n in ("micro_batch_size", "logp_chunk_size") if getattr(resumed, n) != saved[n]]
     if changed and os.environ.get("RANK", "0") == "0":
         print(f"note: {' and '.join(changed)} changed at this resume: the run goes on, but the last bits of its sums "
@@ -1587,7 +1580,8 @@ def resumed_args(args, typed, ckpt, parser):
 
 
 def check_args(a):
-    """Every flag against what it means: one message per problem, naming the flag."""
+    """Every flag against what it means: one message per problem, naming the flag. A path that does not load
+    stops the run with one line when it is read, before any work."""
     positive = ("batch_size max_steps max_gen_len max_prompt_len num_iterations learning_rate sft_learning_rate "
                 "sft_batch_size temperature").split()
     non_negative = ("micro_batch_size logp_chunk_size beta weight_decay warmup_steps grad_clip sft_warmup_steps "
@@ -1614,54 +1608,14 @@ def check_args(a):
         yield f"--eval_interval {a.eval_interval} needs held-out prompts: set --eval_size > 0 or --eval_interval 0"
     if a.device == "cuda" and not torch.cuda.is_available():
         yield "--device cuda: no CUDA GPU is visible"
-    if a.model_name_or_path and not a.dataset:
-        yield "--model_name_or_path needs --dataset (the built-in task uses its own tiny tokenizer)"
-    if a.dataset and not a.model_name_or_path:
-        yield f"--dataset {a.dataset} needs --model_name_or_path (the tiny model knows only the reversal task)"
+    if bool(a.model_name_or_path) != bool(a.dataset):
+        yield "--model_name_or_path and --dataset go together (the tiny model knows only the built-in reversal task)"
     if os.path.isfile(a.save_dir):
         yield f"--save_dir {a.save_dir} is a file, not a folder"
     if a.resume not in ("", "auto") and not os.path.isdir(a.resume):
         yield f"--resume {a.resume}: no such checkpoint folder"
     if a.report_to != "none" and importlib.util.find_spec(a.report_to) is None:
         yield f"--report_to {a.report_to}: the package is not installed (pip install {a.report_to})"
-    if a.reward_weights:
-        try:
-            weights = [float(w) for w in a.reward_weights.split(",")]
-        except ValueError:
-            yield f"--reward_weights {a.reward_weights!r}: expected comma-separated numbers, such as 1,0.1"
-            return
-        names = a.reward_funcs.split(",") if a.reward_funcs else [f.__name__ for f in task_rewards(a)[0]]
-        if len(weights) != len(names) or not all(map(math.isfinite, weights)):
-            yield (f"--reward_weights has {len(weights)} value(s) for {len(names)} reward function(s) "
-                   f"({', '.join(names)}), each finite")
-    for item in a.reward_funcs.split(","):
-        path = item.strip().rpartition(":")[0]
-        if path and not os.path.isfile(path):
-            yield f"--reward_funcs {item}: no such file {path}"
-    yield from check_paths(a)
-
-
-def check_paths(a):
-    name = a.model_name_or_path
-    path = os.path.expanduser(name)
-    if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            yield f"--model_name_or_path {name}: no such file"
-        for package in ("gguf", "accelerate"):
-            if importlib.util.find_spec(package) is None:
-                yield f"--model_name_or_path {name}: reading a GGUF file needs the {package} package"
-    elif name and (name.startswith((".", "/", "~")) or os.path.exists(path)):
-        if not os.path.isdir(path):
-            yield f"--model_name_or_path {name}: no such folder"
-        elif not os.path.isfile(os.path.join(path, "config.json")):
-            yield f"--model_name_or_path {name}: no config.json in this folder"
-        elif not [f for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".index.json"))]:
-            yield f"--model_name_or_path {name}: no model weights (*.safetensors, *.bin) in this folder"
-    data = os.path.expanduser(a.dataset)
-    if os.path.isdir(data):
-        yield f"--dataset {a.dataset} is a folder: give a .jsonl/.json/.parquet file or a hub name"
-    elif a.dataset.endswith((".jsonl", ".json", ".parquet")) and not os.path.isfile(data):
-        yield f"--dataset {a.dataset}: no such file"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1741,12 +1695,8 @@ def write_args(args, folder):
 
 def changed_flags(args):
     """The flags whose values differ from the built-in toy task's defaults, as you would type them."""
-    toy = dataclasses.asdict(Args())
-    changed = []
-    for name, value in dataclasses.asdict(args).items():
-        if value != toy[name]:
-            changed.append(f"--{name} {value}")
-    return " ".join(changed)
+    toy = Args()
+    return " ".join(f"--{k} {v}" for k, v in dataclasses.asdict(args).items() if v != getattr(toy, k))
 
 
 def checkpoints(save_dir):

@@ -70,7 +70,7 @@ class in_process:
     (["--loss_type", "ppo"], "loss_type"),
     (["--num_generations", "1"], "num_generations"),
     (["--batch_size", "0"], "batch_size"),
-    (["--model_name_or_path", "someone/model", "--dataset", "no/such/file.jsonl"], "no such file"),
+    (["--model_name_or_path", "someone/model", "--dataset", "no/such/file.jsonl"], "Unable to find"),
     (["--resume", "no/such/checkpoint"], "no such checkpoint"),
 ])
 def test_bad_arguments_give_one_line(capsys, argv, words):

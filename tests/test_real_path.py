@@ -323,7 +323,7 @@ def test_resume_from_a_final_directory_is_one_line(tmp_path, capsys):
     tg.main([*FAST, "--max_steps", "1", "--save_dir", str(tmp_path)])
     line = one_line_error(in_process(capsys, *FAST, "--max_steps", "2", "--resume", tmp_path / "final",
                                      "--save_dir", tmp_path / "b"))
-    assert "has no trainer_state.pt" in line
+    assert "is not a checkpoint this train_grpo.py can continue" in line and "trainer_state.pt" in line
 
 
 # ---- failures inside the loop ----

@@ -47,7 +47,7 @@ def test_a_max_steps_below_the_checkpoints_step_stops_and_changes_nothing(tmp_pa
     tg.main([*SHORT, "--stop_after", "4", "--save_dir", str(tmp_path)])
     flags = open(tmp_path / "args.json").read()
     line = one_line_error(in_process(capsys, "--max_steps", "3", "--resume", "auto", "--save_dir", tmp_path))
-    assert "--max_steps 3 is below step 4" in line and "--max_steps 4 or more" in line
+    assert "is at step 4" in line and "--max_steps must be 4 or more" in line
     assert open(tmp_path / "args.json").read() == flags and not (tmp_path / "final").exists()
 
 
@@ -159,7 +159,7 @@ def test_a_checkpoint_named_from_inside_its_folder_resumes_there(tmp_path, monke
 def test_a_stop_after_not_after_the_checkpoints_step_stops_in_one_line(tmp_path, capsys):
     tg.main([*SHORT, "--stop_after", "2", "--save_dir", str(tmp_path)])
     line = one_line_error(in_process(capsys, "--resume", "auto", "--stop_after", "2", "--save_dir", tmp_path))
-    assert "--stop_after 2 is not after step 2" in line
+    assert "is at step 2" in line and "--stop_after after it" in line
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
 
 

@@ -139,11 +139,14 @@ def test_real_weights_run_saves_plain_folders_learns_a_step_and_resumes_bitwise(
     assert cut[0]["reward"] == full[1]["reward"] and cut[0]["grad_norm"] == full[1]["grad_norm"]
 
 
-def test_gguf_without_the_gguf_package_is_one_line(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
-    problems = list(tg.check_args(tg.Args(model_name_or_path=GGUF, dataset="compare_numbers")))
-    assert problems == [f"--model_name_or_path {GGUF}: reading a GGUF file needs the gguf package"]
+def test_gguf_without_the_gguf_package_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    from transformers import modeling_gguf_pytorch_utils
+    from test_cli import in_process, one_line_error
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "is_gguf_available", lambda: False)  # as if not installed
+    line = one_line_error(in_process(capsys, "--model_name_or_path", GGUF, "--dataset", "compare_numbers",
+                                     "--save_dir", tmp_path / "run"))
+    assert line.startswith(f"error: --model_name_or_path {GGUF}: ImportError") and "gguf" in line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("completion, answer, correct, bare", [

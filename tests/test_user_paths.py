@@ -160,7 +160,7 @@ def test_wandb_resume_reopens_the_same_run(tmp_path, monkeypatch):
 def test_built_in_model_with_a_dataset_is_refused(tmp_path, capsys):
     from test_cli import in_process, one_line_error
     line = one_line_error(in_process(capsys, "--dataset", "gsm8k", "--save_dir", tmp_path / "run"))
-    assert "--dataset gsm8k needs --model_name_or_path" in line
+    assert "--model_name_or_path and --dataset go together" in line
     assert not (tmp_path / "run").exists()
 
 
