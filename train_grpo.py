@@ -21,7 +21,6 @@ What this file leaves out, on purpose, to stay small:
 import argparse
 import copy
 import dataclasses
-import functools
 import gc
 import glob
 import importlib.util
@@ -1045,16 +1044,11 @@ def next_prompts(prompt_order, train_rows, state, batch_size):
     if state.sampler_pos + batch_size > len(prompt_order):
         state.sampler_epoch += 1
         state.sampler_pos = 0
-    order = epoch_order(prompt_order, state.sampler_epoch)[state.sampler_pos:state.sampler_pos + batch_size]
+    # The sampler draws its permutation from seed + epoch alone, so it is the same at every step of an epoch.
+    prompt_order.set_epoch(state.sampler_epoch)
+    order = list(prompt_order)[state.sampler_pos:state.sampler_pos + batch_size]
     state.sampler_pos += batch_size
     return [train_rows[i] for i in order]
-
-
-@functools.lru_cache(maxsize=1)
-def epoch_order(prompt_order, epoch):
-    """This rank's prompt indices for one epoch, drawn once per epoch instead of once per step."""
-    prompt_order.set_epoch(epoch)
-    return list(prompt_order)
 
 
 def loss_scaler(dtype, device):
@@ -1721,36 +1715,22 @@ def load_weights(model, ckpt, trust_remote_code=False):
     try:
         saved = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code).state_dict()
+        model.load_state_dict(saved)
     except Exception as e:
         raise TrainerError(f"checkpoint {ckpt} could not be loaded: {one_line(e)}") from None
-    own = model.state_dict()
-    for k in {*saved, *own}:
-        theirs = tuple(saved[k].shape) if k in saved else "absent"
-        ours = tuple(own[k].shape) if k in own else "absent"
-        if theirs != ours:
-            raise TrainerError(f"checkpoint {ckpt} is from another model: {k} is {theirs} there, {ours} here")
-    model.load_state_dict(saved)
 
 
 def resume(args, ckpt, run, rank):
-    """Restore everything a checkpoint holds, this rank's RNG too, and trim the log back to it."""
+    """Restore everything a checkpoint holds, this rank's RNG too, and trim the logs back to it. parse_args has
+    checked that the checkpoint's flags and files are this run's."""
     load_weights(unwrap(run.model), ckpt, trust_remote_code=bool(args.trust_remote_code))
-
-    def load(name):
-        # weights_only: a checkpoint holds data, never code to run.
-        path = os.path.join(ckpt, name)
-        if not os.path.isfile(path):
-            raise TrainerError(f"checkpoint {ckpt} has no {name}")
-        return torch.load(path, map_location="cpu", weights_only=True)
-    saved = load("trainer_state.pt")
+    # weights_only: a checkpoint holds data, never code to run.
+    saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
     run.optimizer.load_state_dict(saved.pop("optimizer"))
     run.scheduler.load_state_dict(saved.pop("scheduler"))
     run.scaler.load_state_dict(saved.pop("scaler"))
-    try:
-        state = TrainState(**saved)
-    except TypeError:
-        raise TrainerError(f"checkpoint {ckpt} was written by another train_grpo.py: its state does not read") from None
-    set_rng_state(load(f"rng_state_{rank}.pt"))
+    state = TrainState(**saved)
+    set_rng_state(torch.load(os.path.join(ckpt, f"rng_state_{rank}.pt"), weights_only=True))
     if rank == 0:
         logs = [os.path.join(args.save_dir, name) for name in LOGS]
         set_aside_later_steps(args.save_dir, state.step, logs)
