@@ -165,8 +165,9 @@ class Run:
 class Batch:
     """This rank's B*G rows as a collect function hands them to train_on_batch: G completions of each prompt side
     by side, scored. A fork that brings its completions from elsewhere (a vLLM server, a replay buffer) builds one
-    of these. The step's metrics read it: the per-function ones read rewards_per_func (NaN without it), and
-    generate_time is what the fork puts there."""
+    of these, and applies --mask_truncated_completions and --scale_rewards itself, as collect_batch does. The step's
+    metrics read it: the per-function ones read rewards_per_func (NaN without it), and generate_time and
+    prompts_cut are what the fork puts there."""
     input_ids: torch.Tensor        # [B*G, P + T], each left-padded prompt, then its completion
     attention_mask: torch.Tensor   # [B*G, P + T]
     completion_mask: torch.Tensor  # [B*G, T], m: 1 up to and including the first EOS, the tokens that train
@@ -190,7 +191,7 @@ def grpo_step(args, run, prompt_rows, state, collect=None):
     reset_peak_memory(run.device)
     batch = collect(args, run, prompt_rows)
     losses = train_on_batch(args, run, batch, state)
-    # The record (below the line) only reads the batch and the losses: it changes no weight.
+    # The record (below the line) reads the batch, the losses and the state, and changes no weight.
     return step_metrics(args, run, batch, state, losses, time.time() - started), batch
 
 
@@ -203,7 +204,7 @@ def collect_batch(args, run, prompt_rows):
     tokenizer = run.tokenizer
 
     # 1. Prompts. Each one is repeated G times, so the G rows of a group sit side by side. Each is rendered as text
-    # (a chat template applied) and tokenized left-padded; a prompt too long loses its start, never its BOS.
+    # (chat messages through the chat template) and tokenized left-padded; a prompt too long loses its start.
     group_rows = [row for row in prompt_rows for _ in range(G)]
     texts = [render_prompt(tokenizer, row) for row in prompt_rows]
     prompt_ids, prompt_mask, prompts_cut = tokenize_prompts(tokenizer, texts, args.max_prompt_len, device, G)
@@ -244,8 +245,8 @@ def collect_batch(args, run, prompt_rows):
 
 
 def train_on_batch(args, run, batch, state):
-    """Stages 5-13: the reference and old log-probs, then mu updates on the batch, each over S micro-batches, then
-    the next step's entropy coefficient. It updates `state` and returns this rank's loss terms (the last
+    """Stages 5-13: the reference log-probs (beta > 0) and the old ones (mu > 1), then mu updates on the batch, each
+    over S micro-batches, then the next step's entropy coefficient. It updates `state` and returns this rank's loss terms (the last
     update's) for the step's metrics."""
     device = batch.input_ids.device
     policy = unwrap(run.model)
@@ -590,13 +591,14 @@ def clip_grad_norm(model, max_norm):
 
 
 # ===============================================================================================================
-# The math of a GRPO step ends here: above is every formula a default step computes. Below is the plumbing it
-# calls by a name that says what it does: render_prompt and tokenize_prompts (stage 1), rollout and unwrap
-# (stage 2), completion_token_ids, reward_prompt and score_completions (stage 3, which calls the reward functions),
-# world_sum and world_std (sums over the ranks), forward_last_hidden, lm_logits, auto_chunk_tokens and is_moe
-# (stage 7), reset_peak_memory and step_metrics (stage 14). The loop below also builds what a Run holds before the
-# first step (the DDP wrapper, the frozen reference, the loss scaler, a model without dropout) and draws each
-# step's prompts. Then come the tasks and rewards, models, processes, flags, checkpoints and logging.
+# The math of a GRPO step ends here: above is every formula of the update. Below is the plumbing it calls by a
+# name that says what it does: render_prompt and tokenize_prompts (stage 1), rollout (stage 2), unwrap (the bare
+# policy inside a DDP wrapper), completion_token_ids, reward_prompt and score_completions (stage 3, which calls the
+# reward functions), world_sum and world_std (a sum and a std over the ranks), forward_last_hidden, lm_logits,
+# auto_chunk_tokens and is_moe (stage 7), reset_peak_memory and step_metrics (stage 14, with its world means). The
+# loop below also builds what a Run holds before the first step (the DDP wrapper, the frozen reference, the loss
+# scaler, a model without dropout, the built-in task's supervised warm-up), draws each step's prompts and evaluates.
+# Then come the tasks and their rewards, models, processes, flags, checkpoints and logging.
 # ===============================================================================================================
 
 
@@ -1937,10 +1939,10 @@ def main(argv=None, collect=None):
             dist.destroy_process_group()
 
 
-def cli(argv=None):
-    """A problem with the input: one line `error: ...` and exit status 1 (a bad flag: 2)."""
+def cli(argv=None, collect=None):
+    """main(argv, collect), with a problem of the input as one line `error: ...` and exit status 1 (a bad flag: 2)."""
     try:
-        main(argv)
+        main(argv, collect)
     except TrainerError as e:
         # One write, so that two ranks' lines never interleave.
         sys.stderr.write(f"error: {e}\n")

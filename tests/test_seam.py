@@ -141,3 +141,18 @@ def test_main_takes_a_collect_function_and_logs_every_metric_of_its_batch(tmp_pa
     assert [sorted(r) for r in fork] == [sorted(r) for r in plain]
     assert all(r["advantage_std"] == 0 and r["policy_loss"] == 0 and r["grad_norm"] == 0 for r in fork)
     assert all(r["grad_norm"] > 0 for r in plain)
+
+
+def test_cli_takes_the_collect_function_too_and_keeps_its_one_line_errors(tmp_path, capsys):
+    """The README's fork through cli: the collect function runs at every step, and a bad input stays one line."""
+    calls = []
+
+    def counting(args, run, prompt_rows):
+        calls.append(len(prompt_rows))
+        return tg.collect_batch(args, run, prompt_rows)
+    flags = FAST + ["--max_steps", "2", "--save_dir", str(tmp_path)]
+    assert tg.cli(flags, collect=counting) == 0 and calls == [4, 4]
+    capsys.readouterr()
+    assert tg.cli(flags, collect=counting) == 1          # the folder holds that run's checkpoints now
+    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "--save_dir" in errors[0] and calls == [4, 4]
