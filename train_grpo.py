@@ -1252,6 +1252,9 @@ def load_reward_funcs(spec):
     fns = []
     for item in spec.split(","):
         path, _, name = item.strip().rpartition(":")
+        path = os.path.expanduser(path)
+        if path and not os.path.isfile(path):
+            raise TrainerError(f"--reward_funcs {item}: no such file {path}")
         if path:
             try:
                 module_spec = importlib.util.spec_from_file_location(f"reward_{len(fns)}", path)
@@ -1315,6 +1318,8 @@ def load_rows(args):
     name = args.dataset
     path = os.path.expanduser(name)
     local = name.endswith((".jsonl", ".json", ".parquet")) or name.startswith((".", "/", "~"))
+    if os.path.isdir(path):
+        raise TrainerError(f"--dataset {name} is a folder: give a .jsonl, .json or .parquet file, or a hub name")
     if local and os.path.isfile(path) and os.path.getsize(path) == 0:
         raise TrainerError(f"--dataset {name}: the file is empty")
     source, config, files = name, None, None
@@ -1381,13 +1386,16 @@ def load_model_and_tokenizer(args, device):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         name = args.model_name_or_path
         where = os.path.expanduser(name)
-        # from_pretrained would read a missing local path as a malformed hub name.
-        if name.startswith((".", "/", "~")) and not os.path.exists(where):
-            raise TrainerError(f"--model_name_or_path {name}: no such file or folder")
         kwargs = {"trust_remote_code": bool(args.trust_remote_code)}
+        # from_pretrained would read a bad local path as a malformed hub name, so a local one is checked here.
+        if name.endswith(".gguf") and not os.path.isfile(where):
+            raise TrainerError(f"--model_name_or_path {name}: no such file")
         if name.endswith(".gguf"):
             # transformers reads the weights, the tokenizer and the chat template from the one file.
             where, kwargs["gguf_file"] = os.path.split(os.path.abspath(where))
+        elif name.startswith((".", "/", "~")) or os.path.exists(where):
+            if not os.path.isfile(os.path.join(where, "config.json")):
+                raise TrainerError(f"--model_name_or_path {name}: no such folder, or no config.json in it")
         try:
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
@@ -1539,13 +1547,22 @@ def resumed_args(args, typed, ckpt, parser):
     checkpoint's own folder unless typed."""
     this_command = {"save_dir": typed.get("save_dir", os.path.dirname(os.path.abspath(ckpt))),
                     "resume": args.resume, "stop_after": args.stop_after}
+    # The prompt order and a step's rows depend on the number of processes: each wrote its own rng_state_<rank>.pt.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt")))
     try:
         with open(os.path.join(ckpt, "args.json")) as f:
             saved = json.load(f)
         resumed = Args(**{**saved, **typed, **this_command})
-        state_file = os.path.join(ckpt, "trainer_state.pt")
-        step = torch.load(state_file, map_location="cpu", weights_only=True, mmap=True)["step"]
-    except (OSError, ValueError, TypeError, KeyError) as e:
+        trainer_state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True,
+                                   mmap=True)
+        # What is left after the optimizer's, the schedule's and the scaler's state must read as a TrainState.
+        for name in ("optimizer", "scheduler", "scaler"):
+            trainer_state.pop(name)
+        step = TrainState(**trainer_state).step
+        for rank in range(min(trained_by, world)):
+            torch.load(os.path.join(ckpt, f"rng_state_{rank}.pt"), weights_only=True)
+    except Exception as e:
         parser.error(f"--resume: {ckpt} is not a checkpoint this train_grpo.py can continue ({one_line(e)})")
     for name in typed:
         fixed = name not in RESUME_MAY_CHANGE
@@ -1559,16 +1576,14 @@ def resumed_args(args, typed, ckpt, parser):
         if fixed and name in saved and value != saved[name]:
             parser.error(f"--{name} {value} differs from {saved[name]}, the value {ckpt} was trained with: a resumed "
                          f"run computes what its run computed (use another --save_dir for a new run)")
-    # The prompt order and a step's rows depend on the number of processes: each wrote its own rng_state_<rank>.pt.
-    trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt")))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if trained_by != world:
         parser.error(f"--resume: {ckpt} was trained by {trained_by} process(es) and this run has {world}: resume it "
                      f"on {trained_by} (torchrun --nproc_per_node {trained_by} train_grpo.py --resume ...)")
-    if resumed.max_steps < step or 0 < resumed.stop_after <= step:
-        parser.error(f"--resume: {ckpt} is at step {step}, so --max_steps must be {step} or more and a --stop_after "
-                     f"after it")
-    changed = [f"--{n}" for n in ("micro_batch_size", "logp_chunk_size") if getattr(resumed, n) != saved[n]]
+    if resumed.max_steps < step:
+        parser.error(f"--max_steps {resumed.max_steps} is below step {step} of {ckpt}: give {step} or more")
+    if 0 < resumed.stop_after <= step:
+        parser.error(f"--stop_after {resumed.stop_after} is not after step {step} of {ckpt}: give a later step")
+    changed = [f"--{n}" for n in ("micro_batch_size", "logp_chunk_size") if getattr(resumed, n) != saved.get(n)]
     if changed and os.environ.get("RANK", "0") == "0":
         print(f"note: {' and '.join(changed)} changed at this resume: the run goes on, but the last bits of its sums "
               f"differ, so it is no longer bitwise the run that never stopped")
@@ -1717,9 +1732,13 @@ def load_weights(model, ckpt, trust_remote_code=False):
     try:
         saved = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
                                                      trust_remote_code=trust_remote_code).state_dict()
-        model.load_state_dict(saved)
     except Exception as e:
         raise TrainerError(f"checkpoint {ckpt} could not be loaded: {one_line(e)}") from None
+    own = model.state_dict()
+    for k in {*saved, *own}:
+        if k not in saved or k not in own or saved[k].shape != own[k].shape:
+            raise TrainerError(f"checkpoint {ckpt} is from another model: its {k} does not fit this one")
+    model.load_state_dict(saved)
 
 
 def resume(args, ckpt, run, rank):

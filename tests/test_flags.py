@@ -69,14 +69,17 @@ BAD = [
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")),
     (["--loss_type", "ppo"], "--loss_type"),
     (["--model_name_or_path", model_dir_without_weights, "--dataset", SAMPLE], "no file named model.safetensors"),
-    (["--model_name_or_path", "./no/such/model", "--dataset", SAMPLE], "no such file or folder"),
+    (["--model_name_or_path", "./no/such/model", "--dataset", SAMPLE], "no such folder"),
     (["--model_name_or_path", model_dir_with_broken_weights, "--dataset", SAMPLE], "--model_name_or_path"),
     (["--model_name_or_path", model_dir_without_weights], "--dataset"),
-    (["--dataset", a_directory], "--dataset"),
-    (["--dataset", "missing.jsonl"], "--dataset"),
+    (["--model_name_or_path", model_dir_without_weights, "--dataset", a_directory], "is a folder"),
+    (["--model_name_or_path", model_dir_without_weights, "--dataset", "missing.jsonl"], "Unable to find"),
+    (["--model_name_or_path", a_directory, "--dataset", SAMPLE], "no config.json"),
+    (["--model_name_or_path", "missing.gguf", "--dataset", SAMPLE], "missing.gguf: no such file"),
     (["--save_dir", a_file], "--save_dir"),
     (["--resume", "no/such/checkpoint"], "--resume"),
     (["--reward_funcs", "no_such_rewards.py:f"], "--reward_funcs"),
+    (["--reward_funcs", lambda tmp_path: f"{a_directory(tmp_path)}:f"], "no such file"),
 ]
 
 

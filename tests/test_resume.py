@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from helpers import FAST, tg
@@ -47,7 +48,7 @@ def test_a_max_steps_below_the_checkpoints_step_stops_and_changes_nothing(tmp_pa
     tg.main([*SHORT, "--stop_after", "4", "--save_dir", str(tmp_path)])
     flags = open(tmp_path / "args.json").read()
     line = one_line_error(in_process(capsys, "--max_steps", "3", "--resume", "auto", "--save_dir", tmp_path))
-    assert "is at step 4" in line and "--max_steps must be 4 or more" in line
+    assert "--max_steps 3 is below step 4" in line and "give 4 or more" in line
     assert open(tmp_path / "args.json").read() == flags and not (tmp_path / "final").exists()
 
 
@@ -159,7 +160,7 @@ def test_a_checkpoint_named_from_inside_its_folder_resumes_there(tmp_path, monke
 def test_a_stop_after_not_after_the_checkpoints_step_stops_in_one_line(tmp_path, capsys):
     tg.main([*SHORT, "--stop_after", "2", "--save_dir", str(tmp_path)])
     line = one_line_error(in_process(capsys, "--resume", "auto", "--stop_after", "2", "--save_dir", tmp_path))
-    assert "is at step 2" in line and "--stop_after after it" in line
+    assert "--stop_after 2 is not after step 2" in line
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
 
 
@@ -171,3 +172,30 @@ def test_an_abandoned_history_takes_its_wandb_run_with_it(tmp_path):
     tg.set_aside_later_steps(str(tmp_path), 2, [])
     assert sorted(p.name for p in (tmp_path / "abandoned-1").iterdir()) == ["checkpoint-4", "wandb_run_id"]
     assert not (tmp_path / "wandb_run_id").exists()
+
+
+def test_a_checkpoint_whose_state_does_not_read_stops_in_one_line_before_any_work(tmp_path, capsys):
+    """A checkpoint of another train_grpo.py (its TrainState named otherwise), or one missing a rank's RNG file:
+    one line, and nothing written, where a traceback would come after the model had loaded."""
+    tg.main([*SHORT, "--stop_after", "2", "--save_dir", str(tmp_path / "a")])
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    state["c"] = state.pop("entropy_coef")                         # as an older file named it
+    torch.save(state, ckpt / "trainer_state.pt")
+    line = one_line_error(in_process(capsys, "--resume", ckpt, "--save_dir", tmp_path / "b"))
+    assert "is not a checkpoint this train_grpo.py can continue" in line and "'c'" in line
+    state["entropy_coef"] = state.pop("c")
+    torch.save(state, ckpt / "trainer_state.pt")
+    os.replace(ckpt / "rng_state_0.pt", ckpt / "rng_state_1.pt")   # one file, but not rank 0's
+    line = one_line_error(in_process(capsys, "--resume", ckpt, "--save_dir", tmp_path / "b"))
+    assert "rng_state_0.pt" in line
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_checkpoint_holding_another_models_weights_stops_naming_a_weight_that_does_not_fit(tmp_path, capsys):
+    tg.main([*SHORT, "--stop_after", "2", "--save_dir", str(tmp_path / "dense")])
+    tg.main([*SHORT, "--max_steps", "1", "--use_moe", "1", "--save_dir", str(tmp_path / "moe")])
+    for name in ("model.safetensors", "config.json"):                # the MoE's weights in the dense run's checkpoint
+        shutil.copy(tmp_path / "moe" / "final" / name, tmp_path / "dense" / "checkpoint-2" / name)
+    line = one_line_error(in_process(capsys, "--resume", "auto", "--save_dir", tmp_path / "dense"))
+    assert "is from another model: its model.layers." in line and "does not fit this one" in line
