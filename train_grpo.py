@@ -246,8 +246,8 @@ def collect_batch(args, run, prompt_rows):
 
 def train_on_batch(args, run, batch, state):
     """Stages 5-13: the reference log-probs (beta > 0) and the old ones (mu > 1), then mu updates on the batch, each
-    over S micro-batches, then the next step's entropy coefficient. It updates `state` and returns this rank's loss terms (the last
-    update's) for the step's metrics."""
+    over S micro-batches, then the next step's entropy coefficient. It updates `state` and returns this rank's loss
+    terms (the last update's) for the step's metrics."""
     device = batch.input_ids.device
     policy = unwrap(run.model)
     alpha = state.entropy_coef_applied
@@ -1252,10 +1252,10 @@ def load_reward_funcs(spec):
     fns = []
     for item in spec.split(","):
         path, _, name = item.strip().rpartition(":")
-        path = os.path.expanduser(path)
-        if path and not os.path.isfile(path):
-            raise TrainerError(f"--reward_funcs {item}: no such file {path}")
         if path:
+            path = os.path.expanduser(path)
+            if not os.path.isfile(path):
+                raise TrainerError(f"--reward_funcs {item}: no such file {path}")
             try:
                 module_spec = importlib.util.spec_from_file_location(f"reward_{len(fns)}", path)
                 module = importlib.util.module_from_spec(module_spec)
@@ -1388,9 +1388,9 @@ def load_model_and_tokenizer(args, device):
         where = os.path.expanduser(name)
         kwargs = {"trust_remote_code": bool(args.trust_remote_code)}
         # from_pretrained would read a bad local path as a malformed hub name, so a local one is checked here.
-        if name.endswith(".gguf") and not os.path.isfile(where):
-            raise TrainerError(f"--model_name_or_path {name}: no such file")
         if name.endswith(".gguf"):
+            if not os.path.isfile(where):
+                raise TrainerError(f"--model_name_or_path {name}: no such file")
             # transformers reads the weights, the tokenizer and the chat template from the one file.
             where, kwargs["gguf_file"] = os.path.split(os.path.abspath(where))
         elif name.startswith((".", "/", "~")) or os.path.exists(where):
