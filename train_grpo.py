@@ -267,7 +267,7 @@ def train_on_batch(args, run, batch, state):
     if old_logps is None and args.num_iterations > 1:
         old_logps = logps_without_grad(policy, batch.input_ids, batch.attention_mask, T, parts, args)
 
-    losses = {"lr": run.scheduler.get_last_lr()[0], "entropy_coef_applied": alpha, "N": N}
+    losses = {"learning_rate": run.scheduler.get_last_lr()[0], "entropy_coef_applied": alpha, "N": N}
     entropy_sum = torch.zeros((), device=device)
     applied = False
     for iteration in range(args.num_iterations):
@@ -369,7 +369,7 @@ def compute_advantages(rewards, num_generations, scale_rewards="group", batch_st
     # A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), the std with n - 1 as torch.std (and TRL).
     # "batch" divides by the std of every rank's rewards (batch_std), "none" does not divide.
     grouped = rewards.view(-1, num_generations)
-    # A group whose rewards all tie gets exactly 0: the float mean of G copies of 0.2 is not 0.2.
+    # A group whose rewards all tie gets exactly 0: the float32 mean of 8 copies of 0.2 is 0.2 + 1.5e-8.
     tied = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
     centered = torch.where(tied, 0.0, grouped - grouped.mean(dim=1, keepdim=True))
     if scale_rewards == "group":
@@ -591,13 +591,15 @@ def clip_grad_norm(model, max_norm):
 
 
 # ===============================================================================================================
-# The math of a GRPO step ends here: above is every formula of the update. Below is the plumbing it calls by a
-# name that says what it does: render_prompt and tokenize_prompts (stage 1), rollout (stage 2), unwrap (the bare
-# policy inside a DDP wrapper), completion_token_ids, reward_prompt and score_completions (stage 3, which calls the
-# reward functions), world_sum and world_std (a sum and a std over the ranks), forward_last_hidden, lm_logits,
-# auto_chunk_tokens and is_moe (stage 7), reset_peak_memory and step_metrics (stage 14, with its world means). The
-# loop below also builds what a Run holds before the first step (the DDP wrapper, the frozen reference, the loss
-# scaler, a model without dropout, the built-in task's supervised warm-up), draws each step's prompts and evaluates.
+# The math of a GRPO step ends here: above is every formula of the update but two, each in a comment where it is
+# computed below: the std of --scale_rewards batch over all ranks (world_mean_and_std), and the scale or cap some
+# models' configs put on their logits (lm_logits). Below is the plumbing the step calls by a name that says what it
+# does: render_prompt and tokenize_prompts (stage 1), rollout (stage 2), unwrap (the bare policy inside a DDP wrapper),
+# completion_token_ids, reward_prompt and score_completions (stage 3, which calls the reward functions), world_sum and
+# world_std (a sum and a std over the ranks), forward_last_hidden, lm_logits, auto_chunk_tokens and is_moe (stage 7),
+# reset_peak_memory and step_metrics (stage 14, with its world means). The loop below also builds what a Run holds
+# before the first step (the DDP wrapper, the frozen reference, the loss scaler, a model without dropout, the built-in
+# task's supervised warm-up), draws each step's prompts and evaluates.
 # Then come the tasks and their rewards, models, processes, flags, checkpoints and logging.
 # ===============================================================================================================
 
@@ -873,7 +875,7 @@ def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
 def step_metrics(args, run, batch, state, losses, step_time):
     """The step's record over all ranks, TRL's names. Every rank has B*G rows, so the world's mean is the sum of
     the rank means over the world size. With mu > 1 the loss terms are the last update's. The timings and the
-    memory are this rank's; tokens_per_s is the world's tokens over this rank's step time."""
+    memory are this rank's; tokens_per_s is the world's completion tokens over this rank's step time."""
     device = batch.input_ids.device
     N = losses["N"]
     grouped = batch.rewards.view(-1, args.num_generations)
@@ -896,7 +898,8 @@ def step_metrics(args, run, batch, state, losses, step_time):
                    "reward_std": world_std(batch.rewards, device), "advantage_std": world_std(batch.advantages, device),
                    "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
                    "entropy_coef_applied": losses["entropy_coef_applied"], "grad_norm": losses["grad_norm"],
-                   "lr": losses["lr"], "skipped_steps": state.skipped_steps, "truncated_prompts": int(cut)})
+                   "learning_rate": losses["learning_rate"], "skipped_steps": state.skipped_steps,
+                   "truncated_prompts": int(cut)})
     if run.scaler.is_enabled():
         record["loss_scale"] = run.scaler.get_scale()
     record.update({"step_time": step_time, "generate_time": batch.generate_time, "tokens_per_s": tokens / step_time,
@@ -1223,7 +1226,7 @@ def gsm8k_reference(answer):
 
 
 def gsm8k_correct_reward(completions, answer, **kwargs):
-    # 1.0 if the number after the completion's first '####' equals the reference: lm-eval-harness's strict match.
+    # 1.0 if the completion's first '#### N' has the reference's number N: lm-eval-harness's strict match.
     # A completion without '####' gets 0, however right its last number, as in the published GSM8K scores.
     rewards = []
     for completion, target in zip(completions, answer):

@@ -32,8 +32,8 @@ def test_short_run_writes_finite_metrics_and_a_loadable_model(short_runs, use_mo
     assert [r["step"] for r in steps] == [1, 2, 3]
     keys = ["reward", "reward_std", "frac_reward_zero_std", "advantage_std", "loss", "policy_loss", "kl", "entropy",
             "entropy_coef", "entropy_coef_applied", "clip_ratio", "completion_len", "truncated_frac", "grad_norm",
-            "lr", "step_time", "tokens_per_s", "rewards/reverse_reward/mean", "rewards/reverse_reward/std"] + (
-                ["aux_loss"] if use_moe else [])
+            "learning_rate", "step_time", "tokens_per_s", "rewards/reverse_reward/mean",
+            "rewards/reverse_reward/std"] + (["aux_loss"] if use_moe else [])
     for r in steps:
         for k in keys:
             assert math.isfinite(r[k]), (k, r)

@@ -229,7 +229,7 @@ def test_logged_lr_is_the_rate_each_step_used(tmp_path, monkeypatch):
     # by hand: step s (from 1) is update s - 1: warmup s / (warmup + 1), then 0.5 (1 + cos(pi (s - 1 - w) / (N - w)))
     hand = [lr * (s / (warmup + 1) if s <= warmup else 0.5 * (1 + math.cos(math.pi * (s - 1 - warmup) / (steps - warmup))))
             for s in range(1, steps + 1)]
-    logged = [json.loads(l)["lr"] for l in open(tmp_path / "metrics.jsonl")]
+    logged = [json.loads(l)["learning_rate"] for l in open(tmp_path / "metrics.jsonl")]
     assert logged == pytest.approx(hand, rel=1e-12) and used == pytest.approx(hand, rel=1e-12)
 
 

@@ -158,10 +158,10 @@ FLAGS = {
                               use_adaptive_entropy=1, entropy_target=9.0)],
     # optimization
     "max_steps": [step(4, lambda d, f: f.record["lr_next"] != d.record["lr_next"], lr_scheduler="cosine")],
-    "learning_rate": [step(1e-3, lambda d, f: f.record["lr"] == 1e-3 and update_differs(d, f))],
+    "learning_rate": [step(1e-3, lambda d, f: f.record["learning_rate"] == 1e-3 and update_differs(d, f))],
     "weight_decay": [step(0.5, update_differs)],
     "lr_scheduler": [step("cosine", lambda d, f: f.record["lr_next"] < d.record["lr_next"], max_steps=2)],
-    "warmup_steps": [step(3, lambda d, f: f.record["lr"] == pytest.approx(BASE["learning_rate"] / 4)
+    "warmup_steps": [step(3, lambda d, f: f.record["learning_rate"] == pytest.approx(BASE["learning_rate"] / 4)
                           and update_differs(d, f))],
     "grad_clip": [step(1e-3, lambda d, f: f.applied_grad_norm == pytest.approx(1e-3, rel=1e-4)
                        and d.applied_grad_norm > 1e-2)],

@@ -189,7 +189,7 @@ def test_fp16_overflow_skips_leave_the_schedule_waiting(fp16_overflow):
     assert not [w for w in caught if "lr_scheduler.step()" in w]     # torch's warning of a step without update
     # the k-th applied update (from 0) uses lr (k + 1) / (warmup + 1); skipped steps show the rate waiting
     factors = [1 / 5] * n + [min(k + 1, 5) / 5 for k in range(11 - n)]
-    assert [r["lr"] for r in rows] == pytest.approx([2e-4 * f for f in factors], rel=1e-9)
+    assert [r["learning_rate"] for r in rows] == pytest.approx([2e-4 * f for f in factors], rel=1e-9)
 
 
 def test_sft_warmup_under_fp16_scales_its_loss_like_the_grpo_update():

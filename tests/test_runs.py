@@ -67,7 +67,7 @@ def test_a_resume_takes_its_runs_flags_and_applies_how_long_and_how_often(tmp_pa
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["entropy_coef_applied"] for r in rows] == [0.05] * 5
-    assert [r["lr"] for r in rows] == [1e-3] * 5
+    assert [r["learning_rate"] for r in rows] == [1e-3] * 5
     assert all(r["kl"] > 0 for r in rows[1:])        # beta is the run's, though not typed at the resume
     assert all((tmp_path / f"checkpoint-{step}").is_dir() for step in (3, 4, 5))
     assert json.load(open(tmp_path / "args.json"))["max_steps"] == 5
