@@ -1321,14 +1321,15 @@ def load_rows(args):
     name = args.dataset
     path = os.path.expanduser(name)
     local = name.endswith((".jsonl", ".json", ".parquet")) or name.startswith((".", "/", "~"))
-    if os.path.isdir(path):
-        raise TrainerError(f"--dataset {name} is a folder: give a .jsonl, .json or .parquet file, or a hub name")
-    if local and os.path.isfile(path) and os.path.getsize(path) == 0:
-        raise TrainerError(f"--dataset {name}: the file is empty")
     source, config, files = name, None, None
     if name == "gsm8k":
         source, config = "openai/gsm8k", "main"
-    if local:
+    elif os.path.isdir(path):
+        # datasets would read every file in a folder, such as a run's own completions.jsonl, which has prompts.
+        raise TrainerError(f"--dataset {name} is a folder: give a .jsonl, .json or .parquet file, or a hub name")
+    elif local:
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            raise TrainerError(f"--dataset {name}: the file is empty")
         source = "parquet" if path.endswith(".parquet") else "json"
         files = path
     try:
@@ -1393,7 +1394,7 @@ def load_model_and_tokenizer(args, device):
         # from_pretrained would read a bad local path as a malformed hub name, so a local one is checked here.
         if name.endswith(".gguf"):
             if not os.path.isfile(where):
-                raise TrainerError(f"--model_name_or_path {name}: no such file")
+                raise TrainerError(f"--model_name_or_path {name}: no such file (a .gguf is read from a local file)")
             # transformers reads the weights, the tokenizer and the chat template from the one file.
             where, kwargs["gguf_file"] = os.path.split(os.path.abspath(where))
         elif name.startswith((".", "/", "~")) or os.path.exists(where):
@@ -1738,7 +1739,8 @@ def load_weights(model, ckpt, trust_remote_code=False):
     except Exception as e:
         raise TrainerError(f"checkpoint {ckpt} could not be loaded: {one_line(e)}") from None
     own = model.state_dict()
-    for k in {*saved, *own}:
+    # In sorted order, so that every rank and every run names the same weight.
+    for k in sorted({*saved, *own}):
         if k not in saved or k not in own or saved[k].shape != own[k].shape:
             raise TrainerError(f"checkpoint {ckpt} is from another model: its {k} does not fit this one")
     model.load_state_dict(saved)

@@ -73,6 +73,24 @@ def test_a_test_only_dataset_is_split_disjointly(tmp_path):
         assert len(ev) == 4 and len(tr) == 36 and not questions & {r["question"] for r in ev}
 
 
+
+def test_gsm8k_loads_the_hub_dataset_even_beside_a_folder_named_gsm8k_and_a_folder_is_refused(tmp_path, monkeypatch):
+    import datasets
+    (tmp_path / "gsm8k").mkdir()                     # e.g. a run's --save_dir gsm8k
+    monkeypatch.chdir(tmp_path)
+    asked = []
+    rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(20)]
+
+    def load_dataset(*names, **kwargs):
+        asked.append(names)
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    train, _ = tg.load_rows(tg.Args(dataset="gsm8k", model_name_or_path="m", eval_size=2))
+    assert asked == [("openai/gsm8k", "main")] and len(train) == 18
+    with pytest.raises(tg.TrainerError, match="is a folder"):
+        tg.load_rows(tg.Args(dataset=str(tmp_path / "gsm8k"), model_name_or_path="m"))
+    assert len(asked) == 1
+
 # ---- 5-6. rows as the dataset has them; your rewards weigh 1.0 each ----
 def test_rows_reach_rewards_as_the_dataset_has_them_and_your_rewards_weigh_one_each(tmp_path):
     model_dir = save_tiny(tmp_path / "model")
