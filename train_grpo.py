@@ -1742,7 +1742,8 @@ def load_weights(model, ckpt, trust_remote_code=False):
     # In sorted order, so that every rank and every run names the same weight.
     for k in sorted({*saved, *own}):
         if k not in saved or k not in own or saved[k].shape != own[k].shape:
-            raise TrainerError(f"checkpoint {ckpt} is from another model: its {k} does not fit this one")
+            raise TrainerError(f"checkpoint {ckpt} is from another model: {k} is missing from one of the two, "
+                               "or shaped otherwise")
     model.load_state_dict(saved)
 
 

@@ -202,4 +202,4 @@ def test_a_checkpoint_holding_another_models_weights_stops_naming_a_weight_that_
     # The first weight in name order that one model lacks or holds in another shape: the same on every rank and run.
     misfits = [k for k in sorted({*dense, *moe}) if k not in dense or k not in moe or dense[k].shape != moe[k].shape]
     line = one_line_error(in_process(capsys, "--resume", "auto", "--save_dir", tmp_path / "dense"))
-    assert f"is from another model: its {misfits[0]} does not fit this one" in line
+    assert f"is from another model: {misfits[0]} is missing from one of the two, or shaped otherwise" in line
