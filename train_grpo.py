@@ -99,7 +99,7 @@ class Args:
     gradient_checkpointing: int = flag(0, "1: recompute each layer in backward to save memory", (0, 1))
     sft_warmup_steps: int = flag(200, "built-in task only: supervised steps before GRPO")
     sft_learning_rate: float = flag(1e-3, "learning rate of the supervised warmup")
-    sft_batch_size: int = flag(16, "rows per supervised step over all ranks, so every world size trains the same")
+    sft_batch_size: int = flag(16, "rows per supervised step over all ranks, so any world size trains on the same rows")
     # Bookkeeping.
     seed: int = flag(0, "seed of the model, the data order and the sampling")
     save_dir: str = flag("runs/grpo", "where metrics.jsonl, the checkpoints and final/ go")
