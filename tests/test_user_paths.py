@@ -73,7 +73,6 @@ def test_a_test_only_dataset_is_split_disjointly(tmp_path):
         assert len(ev) == 4 and len(tr) == 36 and not questions & {r["question"] for r in ev}
 
 
-
 def test_gsm8k_loads_the_hub_dataset_even_beside_a_folder_named_gsm8k_and_a_folder_is_refused(tmp_path, monkeypatch):
     import datasets
     (tmp_path / "gsm8k").mkdir()                     # e.g. a run's --save_dir gsm8k
