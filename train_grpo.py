@@ -34,7 +34,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 import numpy as np
 import torch
@@ -59,7 +58,7 @@ def flag(default, help, choices=None):
 class Args:
     # What to train.
     loss_type: str = flag("grpo", "objective and normalization (README: The math)", LOSS_TYPES)
-    use_moe: int = flag(0, "1: a mixture-of-experts model; an MoE's router loss joins the objective", (0, 1))
+    use_moe: int = flag(0, "1: the tiny model is a mixture of experts (a loaded one must be); any MoE adds its router loss", (0, 1))
     model_name_or_path: str = flag("", "hub name, local folder or .gguf file; empty: a tiny model built here")
     dataset: str = flag("", "compare_numbers, gsm8k, a hub dataset or a .jsonl/.json/.parquet file; "
                             "empty: the built-in reversal task")
@@ -720,10 +719,6 @@ class TrainerError(Exception):
     """A problem with the user's input: reported as one line, never a traceback."""
 
 
-class RewardError(Exception):
-    """A reward function of yours raised. Its traceback follows a line that names it, because it is your code."""
-
-
 def one_line(e):
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
@@ -746,16 +741,7 @@ def score_completions(reward_fns, prompts, completions, completion_ids_list, row
         for i, value in enumerate(values):
             if value is None:
                 continue
-            # Only a value with __float__ is a number. float() would also read the text "0.5", and text is not a reward.
-            number = None
-            if hasattr(value, "__float__"):
-                try:
-                    number = float(value)
-                except (TypeError, ValueError, OverflowError):
-                    # A tensor of two values, or an int too large for a float, stays no number.
-                    pass
-            if number is None:
-                raise TrainerError(f"reward {fn.__name__} returned {value!r:.40} for sample {i}, not a number")
+            number = float(value)
             if not math.isfinite(number):
                 raise TrainerError(f"reward {fn.__name__} returned {number} for sample {i}, not a finite number")
             table[i, k] = number
@@ -778,29 +764,14 @@ def call_reward(fn, prompts, completions, completion_ids_list, rows):
     try:
         values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids_list, **columns)
     except Exception as e:
-        if e.__traceback__.tb_next is None:
-            # The call failed before the function ran: it does not take these arguments, which is bad input.
-            raise TrainerError(f"reward {fn.__name__} cannot take this step's arguments: {one_line(e)}") from None
-        # The function itself raised. It is your code, so its traceback follows the line that names it.
-        raise RewardError(f"reward {fn.__name__} raised on {len(rows)} samples") from e
+        # The traceback shows your code; the note says which of your functions it is.
+        e.add_note(f"in reward function {fn.__name__}, called by train_grpo.py on {len(rows)} samples")
+        raise
     if hasattr(values, "tolist"):
         values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != len(rows):
         raise TrainerError(f"reward {fn.__name__} returned {values!r:.40}, not a list of {len(rows)} values")
     return values
-
-
-def reward_names(reward_fns):
-    """Each function's name in the logs, made unique: a name an earlier function has gets a number, f_2."""
-    names = []
-    for fn in reward_fns:
-        name = fn.__name__
-        n = 2
-        while name in names:
-            name = f"{fn.__name__}_{n}"
-            n += 1
-        names.append(name)
-    return names
 
 
 def world_sum(*values, device="cpu"):
@@ -919,11 +890,11 @@ def reward_metrics(prefix, reward_fns, rewards_per_func, device):
     """<prefix>/<name>/mean and std: each function's value before its weight, over every row it scored on every
     rank (a None, NaN here, does not count)."""
     record = {}
-    for k, name in enumerate(reward_names(reward_fns)):
+    for k, fn in enumerate(reward_fns):
         values = rewards_per_func[:, k]
         mean, std = world_mean_and_std(values[~values.isnan()], device)
-        record[f"{prefix}/{name}/mean"] = mean
-        record[f"{prefix}/{name}/std"] = std
+        record[f"{prefix}/{fn.__name__}/mean"] = mean
+        record[f"{prefix}/{fn.__name__}/std"] = std
     return record
 
 
@@ -950,11 +921,14 @@ def train(args, rank, world, device, collect=None):
     grpo_step's: None samples from the policy."""
     started = time.time()
     ckpt = checkpoint_to_resume(args)
-    resumes_here = ckpt is not None and os.path.dirname(os.path.abspath(ckpt)) == os.path.abspath(args.save_dir)
-    if find_checkpoint(args.save_dir) and not resumes_here:
-        # Another run there would mix two runs in one folder, and a later --resume auto would pick the wrong one.
-        raise TrainerError(f"--save_dir {args.save_dir} holds the checkpoints of an earlier run: continue it with "
-                           f"--resume auto, or give another --save_dir")
+    # --resume auto goes on with the run in --save_dir, from its latest checkpoint or, without one, from step 1.
+    continues_here = args.resume == "auto" or (
+        ckpt is not None and os.path.dirname(os.path.abspath(ckpt)) == os.path.abspath(args.save_dir))
+    holds_a_run = find_checkpoint(args.save_dir) or os.path.isfile(os.path.join(args.save_dir, "args.json"))
+    if holds_a_run and not continues_here:
+        # Another run there would replace this one's logs, and a later --resume auto would pick the wrong one.
+        raise TrainerError(f"--save_dir {args.save_dir} holds an earlier run: continue it with --resume auto, or "
+                           f"give another --save_dir")
     random.seed(args.seed)
     np.random.seed(args.seed)
     # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
@@ -979,6 +953,7 @@ def train(args, rank, world, device, collect=None):
     run = Run(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer, reward_fns, weights,
               world, device)
 
+    last_eval = ""
     if ckpt:
         state = resume(args, ckpt, run, rank)
         report, close_report = open_report(args, rank, resumed_at=state.step)
@@ -994,8 +969,9 @@ def train(args, rank, world, device, collect=None):
         if args.eval_interval > 0:
             record, samples = evaluate(args, run, eval_rows, eval_key, rank, step=0)
             log_step(args, {"step": 0, **record}, samples, rank, report)
+            last_eval = f"{record[eval_key]:.3f}"
             if rank == 0:
-                print(f"{eval_key} before GRPO: {record[eval_key]:.3f}")
+                print(f"{eval_key} before GRPO: {last_eval}")
 
     model.train()
     bar = tqdm(range(state.step + 1, args.max_steps + 1), initial=state.step, total=args.max_steps,
@@ -1004,20 +980,20 @@ def train(args, rank, world, device, collect=None):
     for step in bar:
         state.step = step
         prompt_rows = next_prompts(prompt_order, train_rows, state, args.batch_size)
-        try:
-            metrics, batch = grpo_step(args, run, prompt_rows, state, collect)
-            record = {"step": step, **metrics}
-            samples = []
-            if args.log_completions and rank == 0:
-                samples = batch_samples(step, batch, run)
-            if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
-                eval_record, eval_samples = evaluate(args, run, eval_rows, eval_key, rank, step)
-                record.update(eval_record)
-                samples += eval_samples
-        except RewardError as e:
-            raise RewardError(f"{e} at step {step}") from e.__cause__
+        metrics, batch = grpo_step(args, run, prompt_rows, state, collect)
+        record = {"step": step, **metrics}
+        samples = []
+        if args.log_completions and rank == 0:
+            samples = batch_samples(step, batch, run)
+        if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
+            if rank == 0:
+                print_group(batch_samples(step, batch, run), args.num_generations)
+            eval_record, eval_samples = evaluate(args, run, eval_rows, eval_key, rank, step)
+            record.update(eval_record)
+            samples += eval_samples
+            last_eval = f"{record[eval_key]:.3f}"
         log_step(args, record, samples, rank, report)
-        bar.set_postfix(reward=f"{record['reward']:.3f}", eval=record.get(eval_key, ""))
+        bar.set_postfix(reward=f"{record['reward']:.3f}", eval=last_eval)
         if record["truncated_prompts"] and not warned_cut and rank == 0:
             print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} lose their start")
             warned_cut = True
@@ -1208,36 +1184,32 @@ def compare_format_reward(completions, **kwargs):
     return [float(re.fullmatch(r"\s*-?\d+\.?\s*", text_of(c)) is not None) for c in completions]
 
 
-# A number as GSM8K writes one: '$' and thousands commas allowed ('$1,234.50').
-NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?"
+# lm-eval-harness's GSM8K strict match: its regex takes the first '#### N', then ',', '$', everything up to the
+# last '#### ' and a final '.' are dropped from N and from the reference answer alike, and the two strings must be
+# equal. A completion without '#### N' gets 0, however right its last number, as in the published scores.
+GSM8K_ANSWER = r"#### (\-?[0-9\.\,]+)"
+GSM8K_IGNORED = (",", r"\$", r"(?s).*#### ", r"\.$")
 
 
-def parse_number(text):
-    """'$1,234.50' -> Fraction(2469, 2); None if it is not a number. Exact, and never eval."""
-    t = text.strip().replace(",", "").replace("$", "").rstrip(".")
-    if not re.fullmatch(r"-?\d+(?:\.\d+)?", t):
-        return None
-    return Fraction(t)
-
-
-def gsm8k_reference(answer):
-    """GSM8K's worked answer ends with '#### N'. A bare number is accepted too."""
-    return parse_number(str(answer).split("####")[-1])
+def gsm8k_normalized(text):
+    for pattern in GSM8K_IGNORED:
+        text = re.sub(pattern, "", text)
+    return text.lower()
 
 
 def gsm8k_correct_reward(completions, answer, **kwargs):
-    # 1.0 if the completion's first '#### N' has the reference's number N: lm-eval-harness's strict match.
-    # A completion without '####' gets 0, however right its last number, as in the published GSM8K scores.
+    # 1.0 if the completion's first '#### N' matches the reference under lm-eval-harness's strict match.
     rewards = []
     for completion, target in zip(completions, answer):
-        found = re.findall(r"####\s*(" + NUMBER + ")", text_of(completion))
-        rewards.append(float(bool(found) and parse_number(found[0]) == gsm8k_reference(target)))
+        found = re.findall(GSM8K_ANSWER, text_of(completion))
+        extracted = found[0].strip() if found else "[invalid]"
+        rewards.append(float(gsm8k_normalized(extracted) == gsm8k_normalized(str(target))))
     return rewards
 
 
 def gsm8k_format_reward(completions, **kwargs):
-    # 1.0 if the completion ends with '#### <number>', a final period allowed as the correctness reward allows it.
-    return [float(re.search(r"####\s*" + NUMBER + r"\.?\s*$", text_of(c).strip()) is not None) for c in completions]
+    # 1.0 if the completion ends with a '#### N' that the strict match reads.
+    return [float(re.search(GSM8K_ANSWER + r"\s*$", text_of(c)) is not None) for c in completions]
 
 
 def task_rewards(args):
@@ -1282,25 +1254,24 @@ def load_task(args, world):
     if args.reward_funcs:
         reward_fns = load_reward_funcs(args.reward_funcs)
         weights = [1.0] * len(reward_fns)
+    names = [fn.__name__ for fn in reward_fns]
+    if len(set(names)) < len(names):
+        raise TrainerError(f"--reward_funcs: two functions have one name ({', '.join(names)}), and each name keys "
+                           f"its own metrics: rename one")
     if args.reward_weights:
         try:
             weights = [float(w) for w in args.reward_weights.split(",")]
         except ValueError:
             weights = []
         if len(weights) != len(reward_fns) or not all(map(math.isfinite, weights)):
-            names = ", ".join(fn.__name__ for fn in reward_fns)
             raise TrainerError(f"--reward_weights {args.reward_weights!r}: give {len(reward_fns)} finite numbers, "
-                               f"comma-separated, one for each reward function ({names})")
+                               f"comma-separated, one for each reward function ({', '.join(names)})")
     if not args.dataset:
         train_rows, eval_rows = make_reverse_task(args.eval_size)
     elif args.dataset == "compare_numbers":
         train_rows, eval_rows = make_compare_task(args.eval_size)
     else:
         train_rows, eval_rows = load_rows(args)
-    built_in = args.dataset in ("", "compare_numbers", "gsm8k")
-    if not built_in and not args.reward_funcs and not all(is_gsm8k_row(row) for row in train_rows):
-        raise TrainerError(f"--dataset {args.dataset}: its rows are not GSM8K's (a 'question', and an 'answer' "
-                           f"with '#### N'), so no built-in reward scores them: give --reward_funcs")
     if len(train_rows) < args.batch_size * world:
         raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than batch_size * ranks = "
                            f"{args.batch_size * world}")
@@ -1309,10 +1280,6 @@ def load_task(args, world):
     # The eval scores your rewards by their weighted sum, a task's by its correctness reward alone.
     eval_key = "eval_reward" if args.reward_funcs else "eval_accuracy"
     return train_rows, eval_rows, reward_fns, weights, eval_key
-
-
-def is_gsm8k_row(row):
-    return "question" in row and "####" in str(row.get("answer", ""))
 
 
 def load_rows(args):
@@ -1493,10 +1460,11 @@ def barrier():
 # ---------------------------------------------------------------------------------------------------------------
 # Flags. A problem with the input is one line `error: ...`, before any work.
 # ---------------------------------------------------------------------------------------------------------------
-# A real model starts from a real run's sizes, never the toy's 8 new tokens and lr 2e-4. A flag you type wins.
-# On a GPU it also recomputes each layer in backward, because there memory is the limit; on a CPU it rarely is.
+# A real model starts from a real run's sizes, never the toy's 8 new tokens and lr 2e-4, and saves as it goes, so
+# that a kill costs at most 50 steps. A flag you type wins. On a GPU it also recomputes each layer in backward,
+# because there memory is the limit; on a CPU it rarely is.
 REAL_MODEL_DEFAULTS = dict(batch_size=8, micro_batch_size=8, max_prompt_len=512, max_gen_len=512,
-                           learning_rate=1e-6, max_steps=500, eval_interval=50)
+                           learning_rate=1e-6, max_steps=500, eval_interval=50, save_interval=50, save_total_limit=2)
 REAL_MODEL_GPU_DEFAULTS = dict(gradient_checkpointing=1)
 
 # A built-in task's own sizes win over those. compare_numbers is sized for SmolLM2-135M on a 2-core CPU.
@@ -1531,7 +1499,9 @@ def parse_args(argv=None):
     defaults.update(TASK_DEFAULTS.get(typed.get("dataset", ""), {}))
     args = Args(**{**defaults, **typed})
     ckpt = checkpoint_to_resume(args)
-    if ckpt and os.path.isdir(ckpt):
+    # A run killed before its first whole checkpoint left its args.json: --resume auto starts that run again.
+    restart = args.resume == "auto" and not ckpt and os.path.isfile(os.path.join(args.save_dir, "args.json"))
+    if (ckpt and os.path.isdir(ckpt)) or restart:
         args = resumed_args(args, typed, ckpt, parser)
     for problem in check_args(args):
         parser.error(problem)
@@ -1546,40 +1516,47 @@ def checkpoint_to_resume(args):
 
 
 def resumed_args(args, typed, ckpt, parser):
-    """The flags of the run that wrote ckpt, with the typed ones that may change at a resume applied.
-    --resume and --stop_after say what this command does, so they are always this command's. --save_dir is the
-    checkpoint's own folder unless typed."""
-    this_command = {"save_dir": typed.get("save_dir", os.path.dirname(os.path.abspath(ckpt))),
-                    "resume": args.resume, "stop_after": args.stop_after}
+    """The flags of the run that wrote ckpt (None: of the run in --save_dir, which starts again at step 1), with the
+    typed ones that may change at a resume applied. --resume and --stop_after are always this command's, and
+    --save_dir is the run's own folder unless typed."""
+    folder = os.path.dirname(os.path.abspath(ckpt)) if ckpt else args.save_dir
+    this_command = {"save_dir": typed.get("save_dir", folder), "resume": args.resume, "stop_after": args.stop_after}
     # The prompt order and a step's rows depend on the number of processes: each wrote its own rng_state_<rank>.pt.
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt")))
+    trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt"))) if ckpt else world
+    step = 0
+    config = {}
     try:
-        with open(os.path.join(ckpt, "args.json")) as f:
+        with open(os.path.join(ckpt or folder, "args.json")) as f:
             saved = json.load(f)
         resumed = Args(**{**saved, **typed, **this_command})
-        trainer_state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True,
-                                   mmap=True)
-        # What is left after the optimizer's, the schedule's and the scaler's state must read as a TrainState.
-        for name in ("optimizer", "scheduler", "scaler"):
-            trainer_state.pop(name)
-        step = TrainState(**trainer_state).step
-        for rank in range(min(trained_by, world)):
-            torch.load(os.path.join(ckpt, f"rng_state_{rank}.pt"), weights_only=True)
+        if ckpt:
+            with open(os.path.join(ckpt, "config.json")) as f:
+                config = json.load(f)
+            trainer_state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu",
+                                       weights_only=True, mmap=True)
+            # What is left after the optimizer's, the schedule's and the scaler's state must read as a TrainState.
+            for name in ("optimizer", "scheduler", "scaler"):
+                trainer_state.pop(name)
+            step = TrainState(**trainer_state).step
+            for rank in range(min(trained_by, world)):
+                torch.load(os.path.join(ckpt, f"rng_state_{rank}.pt"), weights_only=True)
     except Exception as e:
-        parser.error(f"--resume: {ckpt} is not a checkpoint this train_grpo.py can continue ({one_line(e)})")
+        parser.error(f"--resume: {ckpt or folder} is not a run this train_grpo.py can continue ({one_line(e)})")
+    # Read from the model that trained, not from --use_moe: a model from a folder or the hub may be an MoE too.
+    moe = "router_aux_loss_coef" in config or resumed.use_moe
     for name in typed:
         fixed = name not in RESUME_MAY_CHANGE
         # A cosine schedule decays over --max_steps, so there the length sets every step's learning rate.
         fixed |= name == "max_steps" and resumed.lr_scheduler == "cosine"
         # bnpo, the router loss and the entropy bonus average each micro-batch: there its size is part of the loss.
-        fixed |= name == "micro_batch_size" and bool(resumed.loss_type == "bnpo" or resumed.use_moe
+        fixed |= name == "micro_batch_size" and bool(resumed.loss_type == "bnpo" or moe
                                                      or resumed.entropy_coef or resumed.use_adaptive_entropy)
         # The resolved value is compared, so that epsilon_high's -1 reads as the epsilon it stands for.
         value = getattr(resumed, name)
         if fixed and name in saved and value != saved[name]:
-            parser.error(f"--{name} {value} differs from {saved[name]}, the value {ckpt} was trained with: a resumed "
-                         f"run computes what its run computed (use another --save_dir for a new run)")
+            parser.error(f"--{name} {value} differs from {saved[name]}, the value {ckpt or folder} was trained with: "
+                         f"a resumed run computes what its run computed (use another --save_dir for a new run)")
     if trained_by != world:
         parser.error(f"--resume: {ckpt} was trained by {trained_by} process(es) and this run has {world}: resume it "
                      f"on {trained_by} (torchrun --nproc_per_node {trained_by} train_grpo.py --resume ...)")
@@ -1587,10 +1564,18 @@ def resumed_args(args, typed, ckpt, parser):
         parser.error(f"--max_steps {resumed.max_steps} is below step {step} of {ckpt}: give {step} or more")
     if 0 < resumed.stop_after <= step:
         parser.error(f"--stop_after {resumed.stop_after} is not after step {step} of {ckpt}: give a later step")
+    latest = find_checkpoint(resumed.save_dir)
+    if ckpt and latest and step_of(latest) > step:
+        # Going on from an older checkpoint in its folder would mix two histories there.
+        parser.error(f"--resume {ckpt}: {latest} is later; continue with --resume auto, or branch from it into a "
+                     f"new folder with --resume {ckpt} --save_dir NEW")
+    rank0 = os.environ.get("RANK", "0") == "0"
     changed = [f"--{n}" for n in ("micro_batch_size", "logp_chunk_size") if getattr(resumed, n) != saved.get(n)]
-    if changed and os.environ.get("RANK", "0") == "0":
+    if ckpt and changed and rank0:
         print(f"note: {' and '.join(changed)} changed at this resume: the run goes on, but the last bits of its sums "
               f"differ, so it is no longer bitwise the run that never stopped")
+    if not ckpt and rank0:
+        print(f"{folder} holds no whole checkpoint: its run starts again at step 1, with its flags")
     return resumed
 
 
@@ -1623,6 +1608,9 @@ def check_args(a):
         yield f"--eval_interval {a.eval_interval} needs held-out prompts: set --eval_size > 0 or --eval_interval 0"
     if a.device == "cuda" and not torch.cuda.is_available():
         yield "--device cuda: no CUDA GPU is visible"
+    if a.dataset not in ("", "compare_numbers", "gsm8k") and not a.reward_funcs:
+        yield (f"--dataset {a.dataset} is not a built-in task: give its rewards with --reward_funcs (GSM8K's are "
+               f"built in: gsm8k_correct_reward,gsm8k_format_reward)")
     if bool(a.model_name_or_path) != bool(a.dataset):
         yield "--model_name_or_path and --dataset go together (the tiny model knows only the built-in reversal task)"
     if os.path.isfile(a.save_dir):
@@ -1673,19 +1661,21 @@ def save(args, run, state, rank):
         shutil.rmtree(final, ignore_errors=True)
         # A crash before this rename leaves the previous checkpoint as it was.
         os.replace(tmp, final)
-        if args.save_total_limit:
-            delete_oldest(args.save_dir, args.save_total_limit)
+        delete_oldest(args.save_dir, args.save_total_limit)
     barrier()
     return final
 
 
 def delete_oldest(save_dir, keep):
-    """--save_total_limit: once a checkpoint is whole, the oldest beyond the newest `keep` go. Each is renamed
-    first, in one atomic step, so a kill in the middle of a deletion leaves a folder --resume auto never reads."""
-    for path in checkpoints(save_dir)[:-keep]:
-        os.replace(path, path + ".deleting")
-    # Also what an earlier kill left half deleted.
-    for path in glob.glob(os.path.join(save_dir, "checkpoint-*.deleting")):
+    """Once a checkpoint is whole: the oldest beyond the newest `keep` (0: none) go, each renamed first in one atomic
+    step, so that a kill in the middle leaves a folder --resume auto never reads. Folders an earlier kill left
+    half deleted or half written go too."""
+    if keep:
+        for path in checkpoints(save_dir)[:-keep]:
+            os.replace(path, path + ".deleting")
+    leftovers = glob.glob(os.path.join(save_dir, "checkpoint-*.deleting"))
+    leftovers += glob.glob(os.path.join(save_dir, "checkpoint-*.tmp"))
+    for path in leftovers:
         shutil.rmtree(path)
 
 
@@ -1703,9 +1693,10 @@ def save_pretrained(model, tokenizer, where):
 
 
 def write_args(args, folder):
-    """args.json: every flag of the run as it was resolved, the defaults of a real model and a task included."""
+    """args.json: every flag of the run as it was resolved, the defaults of a real model and a task included.
+    --resume says how a command started, not what the run computes, so a resumed run's reads as its first's."""
     with open(os.path.join(folder, "args.json"), "w") as f:
-        json.dump(dataclasses.asdict(args), f, indent=1)
+        json.dump({**dataclasses.asdict(args), "resume": ""}, f, indent=1)
 
 
 def changed_flags(args):
@@ -1759,37 +1750,10 @@ def resume(args, ckpt, run, rank):
     state = TrainState(**saved)
     set_rng_state(torch.load(os.path.join(ckpt, f"rng_state_{rank}.pt"), weights_only=True))
     if rank == 0:
-        logs = [os.path.join(args.save_dir, name) for name in LOGS]
-        set_aside_later_steps(args.save_dir, state.step, logs)
-        for path in logs:
-            trim_log(path, state.step)
+        for name in LOGS:
+            trim_log(os.path.join(args.save_dir, name), state.step)
         print(f"resumed from {ckpt} at step {state.step}")
     return state
-
-
-def set_aside_later_steps(save_dir, step, logs):
-    """A resume from an older checkpoint starts another history there. The later checkpoints of the history it
-    leaves, its final/ and a copy of its logs move to abandoned-<n>/, where --resume auto never looks. They are
-    moved, not deleted, because only the user may delete what they trained."""
-    later = [p for p in checkpoints(save_dir) if step_of(p) > step]
-    if not later:
-        return
-    # The wandb run's id goes too, so the new history logs to a new wandb run, which drops no step it logs again.
-    for name in ("final", "wandb_run_id"):
-        if os.path.exists(os.path.join(save_dir, name)):
-            later.append(os.path.join(save_dir, name))
-    n = 1
-    while os.path.exists(os.path.join(save_dir, f"abandoned-{n}")):
-        n += 1
-    aside = os.path.join(save_dir, f"abandoned-{n}")
-    os.makedirs(aside)
-    for path in logs:
-        if os.path.exists(path):
-            shutil.copy(path, aside)
-    for path in later:
-        os.replace(path, os.path.join(aside, os.path.basename(path)))
-    names = ", ".join(os.path.basename(p) for p in later)
-    print(f"resuming at step {step}: the history after it ({names}, a copy of its logs) is set aside in {aside}")
 
 
 def trim_log(path, step):
@@ -1817,32 +1781,51 @@ def log_step(args, record, samples, rank, report=None):
     if rank != 0:
         return
     with open(os.path.join(args.save_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json_line(record))
     if samples:
         with open(os.path.join(args.save_dir, "completions.jsonl"), "a") as f:
             for sample in samples:
-                f.write(json.dumps(sample) + "\n")
+                f.write(json_line(sample))
     evals = [sample for sample in samples if sample["split"] == "eval"]
     # The same held-out prompts at every eval, spread over the set, so a reader watches each answer change.
     shown = min(args.num_completions_to_print, len(evals))
     for i in range(shown):
         sample = evals[i * len(evals) // shown]
-        # Model text is shown escaped and cut, so a control character or a long completion cannot garble the console.
-        tqdm.write(f"  step {sample['step']} held-out {printable(sample['prompt'], 40, tail=True)} -> "
-                   f"{printable(sample['completion'])}, reward {sample['reward']:.3f}")
+        tqdm.write(f"  step {sample['step']} held-out {cut(sample['prompt'], 40, tail=True)} -> "
+                   f"{cut(sample['completion'])}, reward {sample['reward']:.3f}")
     if report is not None:
         report(record, samples)
 
 
-def printable(text, limit=60, tail=False):
-    """Model text for the console in quotes: control characters escaped, at most `limit` characters (a prompt
-    keeps its end, where the question is)."""
-    escaped = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-    if len(escaped) > limit and tail:
-        escaped = "..." + escaped[-limit:]
-    elif len(escaped) > limit:
-        escaped = escaped[:limit] + "..."
-    return f"'{escaped}'"
+def json_line(record):
+    # NaN and infinity are not JSON, and strict readers refuse the line: they are logged as null, as TRL does.
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(finite) + "\n"
+
+
+def cut(text, limit=60, tail=False):
+    """Model text for the console: repr escapes what would garble it, and a long text is cut (a prompt keeps its
+    end, where the question is)."""
+    if len(text) <= limit:
+        return repr(text)
+    if tail:
+        return "..." + repr(text[-limit:])
+    return repr(text[:limit]) + "..."
+
+
+def print_group(samples, G):
+    """One training group of the step: its prompt, then each completion with its rewards and advantage. The first
+    group whose rewards differ, since a tied group teaches nothing."""
+    group = samples[:G]
+    for start in range(0, len(samples), G):
+        if len({sample["reward"] for sample in samples[start:start + G]}) > 1:
+            group = samples[start:start + G]
+            break
+    tqdm.write(f"  step {group[0]['step']} training group of {cut(group[0]['prompt'], 40, tail=True)}:")
+    for sample in group:
+        values = " ".join(f"{name} {value}" if value is None else f"{name} {value:.3f}"
+                          for name, value in sample["rewards"].items())
+        tqdm.write(f"    {cut(sample['completion'])}: {values}, advantage {sample['advantage']:+.3f}")
 
 
 def batch_samples(step, batch, run):
@@ -1861,7 +1844,7 @@ def completion_samples(step, split, run, prompt_ids, prompt_mask, completions, r
     """A line of completions.jsonl per row of rank 0: the prompt as the policy read it (its tokens, the padding
     left out), the completion as the rewards read it, each reward's value before its weight (None where it
     returned None), the total reward and the advantage (None at an eval)."""
-    names = reward_names(run.reward_fns)
+    names = [fn.__name__ for fn in run.reward_fns]
     samples = []
     for i, completion in enumerate(completions):
         values = {}
@@ -1876,26 +1859,26 @@ def completion_samples(step, split, run, prompt_ids, prompt_mask, completions, r
 
 
 def open_report(args, rank, resumed_at=None):
-    """--report_to's (send(record, samples), close()) on rank 0, else (None, None). A resumed run continues its
-    run: TensorBoard drops the points after the checkpoint, and wandb reopens the run by the id in save_dir."""
+    """--report_to's (send(record, samples), close()) on rank 0, else (None, None). A resumed run goes on in its
+    TensorBoard run, which drops the points after the checkpoint, and in a new wandb run of the same group, unless
+    wandb's own WANDB_RUN_ID and WANDB_RESUME say otherwise."""
     if args.report_to == "none" or rank != 0:
         return None, None
     name = args.run_name or os.path.basename(os.path.normpath(args.save_dir))
-    columns = ["step", "split", "prompt", "completion", "rewards", "reward", "advantage"]
     if args.report_to == "wandb":
         import wandb
-        id_file = os.path.join(args.save_dir, "wandb_run_id")
-        if resumed_at is None or not os.path.isfile(id_file):
-            with open(id_file, "w") as f:
-                # Not from the seeded generators, which would then differ from an unlogged run.
-                f.write(os.urandom(4).hex())
-        wandb_run = wandb.init(project="train_grpo", name=name, dir=args.save_dir, resume="allow",
-                               config=dataclasses.asdict(args), id=open(id_file).read().strip())
+        wandb_run = wandb.init(project="train_grpo", name=name, group=name, dir=args.save_dir,
+                               config=dataclasses.asdict(args))
 
         def send_to_wandb(record, samples):
             logged = {k: v for k, v in record.items() if k != "step"}
             if samples:
-                rows = [[json.dumps(sample[c]) if c == "rewards" else sample[c] for c in columns] for sample in samples]
+                # Each reward in a column of its own, as TRL's table, so that it sorts by one reward.
+                columns = ["step", "split", "prompt", "completion", *samples[0]["rewards"], "reward", "advantage"]
+                rows = []
+                for sample in samples:
+                    rows.append([sample["step"], sample["split"], sample["prompt"], sample["completion"],
+                                 *sample["rewards"].values(), sample["reward"], sample["advantage"]])
                 logged["completions"] = wandb.Table(columns=columns, data=rows)
             wandb_run.log(logged, step=record["step"])
         return send_to_wandb, wandb_run.finish
@@ -1909,38 +1892,34 @@ def open_report(args, rank, resumed_at=None):
                 writer.add_scalar(k, v, record["step"])
         if samples:
             # Indented four spaces, the JSON lines are a code block in TensorBoard's text tab.
-            lines = ["    " + json.dumps(sample) for sample in samples]
-            writer.add_text("completions", "\n".join(lines), record["step"])
+            lines = ["    " + json_line(sample) for sample in samples]
+            writer.add_text("completions", "".join(lines), record["step"])
         writer.flush()
     return send_to_tensorboard, writer.close
 
 
 def summary(args, state, eval_key, started):
+    """The run's last line: its held-out score at the first eval, at its best and at the last."""
     records = [json.loads(line) for line in open(os.path.join(args.save_dir, "metrics.jsonl"))]
-    evals = [(r["step"], r[eval_key]) for r in records if eval_key in r]
+    evals = [(r[eval_key], r["step"]) for r in records if r.get(eval_key) is not None]
     held_out = "no held-out eval"
     if evals:
-        held_out = (f"held-out {eval_key} {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} "
-                    f"(step {evals[-1][0]})")
+        best = max(evals, key=lambda e: e[0])
+        held_out = (f"held-out {eval_key} {evals[0][0]:.3f} (step {evals[0][1]}), best {best[0]:.3f} (step "
+                    f"{best[1]}), last {evals[-1][0]:.3f} (step {evals[-1][1]})")
     return f"done: step {state.step} of {args.max_steps} in {time.time() - started:.0f} s; {held_out}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------------------------
-# torch's thread count as this file is imported. main() runs the built-in model on one thread unless it changed.
-THREADS_AT_IMPORT = torch.get_num_threads()
-
-
 def main(argv=None, collect=None):
     """Parse the flags and run. `collect(args, run, prompt_rows)`, if given, replaces collect_batch in every step."""
     args = parse_args(argv)
     threads = torch.get_num_threads()
     try:
-        # The built-in model is too small to gain from a second thread, and on a busy machine two threads run it
-        # twice as slow as one. A count you set, in OMP_NUM_THREADS or by torch.set_num_threads after this file
-        # was imported, wins.
-        if not args.model_name_or_path and "OMP_NUM_THREADS" not in os.environ and threads == THREADS_AT_IMPORT:
+        # The built-in model is too small to gain from a second thread. OMP_NUM_THREADS, if you set it, wins.
+        if not args.model_name_or_path and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)
         rank, world, device = setup_distributed(args)
         return train(args, rank, world, device, collect)
@@ -1971,9 +1950,6 @@ def cli(argv=None, collect=None):
     except TrainerError as e:
         # One write, so that two ranks' lines never interleave.
         sys.stderr.write(f"error: {e}\n")
-        return 1
-    except RewardError as e:
-        sys.stderr.write(f"error: {e}; its traceback:\n" + "".join(traceback.format_exception(e.__cause__)))
         return 1
     return 0
 
