@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as recompute_in_backward
 from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
@@ -58,7 +58,8 @@ def flag(default, help, choices=None):
 class Args:
     # What to train.
     loss_type: str = flag("grpo", "objective and normalization (README: The math)", LOSS_TYPES)
-    use_moe: int = flag(0, "1: the tiny model is a mixture of experts (a loaded one must be); any MoE adds its router loss", (0, 1))
+    use_moe: int = flag(0, "1: the tiny model is a mixture of experts (a loaded one must be one); any MoE adds its "
+                           "router loss", (0, 1))
     model_name_or_path: str = flag("", "hub name, local folder or .gguf file; empty: a tiny model built here")
     dataset: str = flag("", "compare_numbers, gsm8k, a hub dataset or a .jsonl/.json/.parquet file; "
                             "empty: the built-in reversal task")
@@ -135,7 +136,7 @@ class TrainState:
     entropy_coef: float = 0.0              # c, fixed at --entropy_coef or moved by the adaptive rule
     entropy_coef_applied: float = 0.0      # alpha, the entropy bonus coefficient the coming step applies
     world_entropy: float = float("nan")    # the last step's entropy over all ranks
-    skipped_steps: int = 0                 # optimizer updates skipped for a non-finite grad norm
+    skipped_updates: int = 0               # optimizer updates skipped for a non-finite grad norm
 
     @classmethod
     def initial(cls, args):
@@ -189,9 +190,9 @@ def grpo_step(args, run, prompt_rows, state, collect=None):
     started = time.time()
     reset_peak_memory(run.device)
     batch = collect(args, run, prompt_rows)
-    losses = train_on_batch(args, run, batch, state)
-    # The record (below the line) reads the batch, the losses and the state, and changes no weight.
-    return step_metrics(args, run, batch, state, losses, time.time() - started), batch
+    update_stats = train_on_batch(args, run, batch, state)
+    # The record (below the line) reads the batch, the update's numbers and the state, and changes no weight.
+    return step_metrics(args, run, batch, state, update_stats, time.time() - started), batch
 
 
 @torch.no_grad()
@@ -266,7 +267,7 @@ def train_on_batch(args, run, batch, state):
     if old_logps is None and args.num_iterations > 1:
         old_logps = logps_without_grad(policy, batch.input_ids, batch.attention_mask, T, parts, args)
 
-    losses = {"learning_rate": run.scheduler.get_last_lr()[0], "entropy_coef_applied": alpha, "N": N}
+    update_stats = {"learning_rate": run.scheduler.get_last_lr()[0], "entropy_coef_applied": alpha, "N": N}
     entropy_sum = torch.zeros((), device=device)
     applied = False
     for iteration in range(args.num_iterations):
@@ -316,7 +317,7 @@ def train_on_batch(args, run, batch, state):
             run.scaler.step(run.optimizer)
             applied = True
         else:
-            state.skipped_steps += 1
+            state.skipped_updates += 1
         run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)
     # The schedule moves once per step that updated the weights, so skipped steps do not use up the warmup.
@@ -324,14 +325,14 @@ def train_on_batch(args, run, batch, state):
         run.scheduler.step()
 
     # 11. The next step's entropy coefficient, from one world entropy: a sum and a count over all ranks.
-    state.world_entropy = world_mean(entropy_sum, mask.sum(), device=device)
+    state.world_entropy = world_token_mean(entropy_sum, mask.sum(), device=device)
     if args.use_adaptive_entropy:
         state.entropy_coef, state.entropy_coef_applied = update_entropy_coef(
             state.entropy_coef, state.world_entropy, target=args.entropy_target, delta=args.entropy_coef_delta,
             coef_min=args.entropy_coef_min, coef_max=args.entropy_coef_max)
-    losses.update(sums)
-    losses["grad_norm"] = grad_norm.item()
-    return losses
+    update_stats.update(sums)
+    update_stats["grad_norm"] = grad_norm.item()
+    return update_stats
 
 
 def micro_batches(num_rows, micro_batch_size):
@@ -437,8 +438,8 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     for h, y in zip(hidden.reshape(rows * T, -1).split(chunk_size), targets.reshape(rows * T).split(chunk_size)):
         if grad:
             # Keep only the chunk's inputs; its logits are recomputed in backward.
-            lp, ent = checkpoint(_chunk_logps_entropy, bare, h, y, temperature, entropy_grad, with_entropy,
-                                 use_reentrant=False)
+            lp, ent = recompute_in_backward(_chunk_logps_entropy, bare, h, y, temperature, entropy_grad,
+                                            with_entropy, use_reentrant=False)
         else:
             lp, ent = _chunk_logps_entropy(bare, h, y, temperature, False, with_entropy)
         logps.append(lp)
@@ -547,7 +548,7 @@ def normalize(per_token, mask, loss_type, divisor):
 # ---------------------------------------------------------------------------------------------------------------
 # Stages 11 and 13. The entropy coefficient and the update.
 # ---------------------------------------------------------------------------------------------------------------
-def world_mean(local_sum, local_count, device="cpu"):
+def world_token_mean(local_sum, local_count, device="cpu"):
     # H_w = all_reduce(sum H m) / max(all_reduce(sum m), 1)
     # It is a world sum over a world count, never a mean of per-rank means.
     # A step in which every token is masked measures 0, as in TRL.
@@ -843,33 +844,33 @@ def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
 # ---------------------------------------------------------------------------------------------------------------
 # Plumbing of stage 14: the step's metrics over all ranks, its time and its memory.
 # ---------------------------------------------------------------------------------------------------------------
-def step_metrics(args, run, batch, state, losses, step_time):
+def step_metrics(args, run, batch, state, update_stats, step_time):
     """The step's record over all ranks, TRL's names. Every rank has B*G rows, so the world's mean is the sum of
     the rank means over the world size. With mu > 1 the loss terms are the last update's. The timings and the
     memory are this rank's; tokens_per_s is the world's completion tokens over this rank's step time."""
     device = batch.input_ids.device
-    N = losses["N"]
+    N = update_stats["N"]
     grouped = batch.rewards.view(-1, args.num_generations)
     rank_means = {"reward": batch.rewards.mean(), "completion_len": batch.completion_len.mean(),
                   "truncated_frac": batch.truncated.float().mean(),
                   "frac_reward_zero_std": (grouped.amax(1) == grouped.amin(1)).float().mean(),
-                  "loss": losses["loss"], "policy_loss": losses["policy_loss"]}
+                  "loss": update_stats["loss"], "policy_loss": update_stats["policy_loss"]}
     if is_moe(run.model):
-        rank_means["aux_loss"] = losses["aux"]
+        rank_means["aux_loss"] = update_stats["aux"]
     world_totals = world_sum(*rank_means.values(), device=device)
     record = {}
     for name, total in zip(rank_means, world_totals):
         record[name] = total / run.world
     record.update(reward_metrics("rewards", run.reward_fns, values_per_func(batch, run), device))
     # The KL and the clipped tokens are token sums, so they are divided by N, the step's masked tokens.
-    kl_sum, clipped, cut, tokens = world_sum(losses["kl"], losses["clipped"], batch.prompts_cut,
+    kl_sum, clipped, cut, tokens = world_sum(update_stats["kl"], update_stats["clipped"], batch.prompts_cut,
                                              batch.completion_len.sum(), device=device)
     # The stds are TRL's, over every row of every rank, with n - 1.
     record.update({"kl": kl_sum / max(N, 1.0), "clip_ratio": clipped / max(N, 1.0),
                    "reward_std": world_std(batch.rewards, device), "advantage_std": world_std(batch.advantages, device),
                    "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
-                   "entropy_coef_applied": losses["entropy_coef_applied"], "grad_norm": losses["grad_norm"],
-                   "learning_rate": losses["learning_rate"], "skipped_steps": state.skipped_steps,
+                   "entropy_coef_applied": update_stats["entropy_coef_applied"], "grad_norm": update_stats["grad_norm"],
+                   "learning_rate": update_stats["learning_rate"], "skipped_updates": state.skipped_updates,
                    "truncated_prompts": int(cut)})
     if run.scaler.is_enabled():
         record["loss_scale"] = run.scaler.get_scale()
@@ -1272,6 +1273,9 @@ def load_task(args, world):
         train_rows, eval_rows = make_compare_task(args.eval_size)
     else:
         train_rows, eval_rows = load_rows(args)
+        if not args.reward_funcs:
+            raise TrainerError(f"--dataset {args.dataset} is not a built-in task: give its rewards with "
+                               f"--reward_funcs (GSM8K's are built in: gsm8k_correct_reward,gsm8k_format_reward)")
     if len(train_rows) < args.batch_size * world:
         raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than batch_size * ranks = "
                            f"{args.batch_size * world}")
@@ -1608,9 +1612,6 @@ def check_args(a):
         yield f"--eval_interval {a.eval_interval} needs held-out prompts: set --eval_size > 0 or --eval_interval 0"
     if a.device == "cuda" and not torch.cuda.is_available():
         yield "--device cuda: no CUDA GPU is visible"
-    if a.dataset not in ("", "compare_numbers", "gsm8k") and not a.reward_funcs:
-        yield (f"--dataset {a.dataset} is not a built-in task: give its rewards with --reward_funcs (GSM8K's are "
-               f"built in: gsm8k_correct_reward,gsm8k_format_reward)")
     if bool(a.model_name_or_path) != bool(a.dataset):
         yield "--model_name_or_path and --dataset go together (the tiny model knows only the built-in reversal task)"
     if os.path.isfile(a.save_dir):

@@ -110,7 +110,7 @@ def entropy_world(rank, world, out_dir, steps=6):
         mask = torch.zeros(3, 10)
         mask.view(-1)[:n] = 1
         local_sum, local_count = (ent * mask).sum().item(), mask.sum().item()
-        h_w = tg.world_mean(local_sum, local_count)
+        h_w = tg.world_token_mean(local_sum, local_count)
         coef, applied = tg.update_entropy_coef(coef, h_w, target=0.2, delta=0.001, coef_min=0.0, coef_max=0.004)
         log.append({"sum": local_sum, "count": local_count, "coef": coef, "applied": applied})
     json.dump(log, open(os.path.join(out_dir, f"entropy_{rank}.json"), "w"))
@@ -224,7 +224,7 @@ def eval_uneven(rank, world, out_dir):
 def fp16_skip(rank, world, out_dir, mode="ddp"):
     """--dtype float16 under DDP: step 1's gradient gets an inf on rank 1 only, before DDP's all-reduce (a hook
     on rank 1's gradient as backward makes it), so the all-reduce hands it to every rank; step 2 is clean.
-    Saves whether this rank's weights moved, its loss scale, its skipped_steps and its final weights."""
+    Saves whether this rank's weights moved, its loss scale, its skipped_updates and its final weights."""
     assert mode == "ddp", "FSDP is gone: DDP is the only wrapper"
     dist.init_process_group("gloo")
     model, tok = tiny()
@@ -233,7 +233,7 @@ def fp16_skip(rank, world, out_dir, mode="ddp"):
     optimizer, _ = tg.build_optimizer(model, args)
     run = make_run(wrapped, tok, optimizer, world, fp16=True, reward_fns=[tg.reverse_reward], weights=[1.0])
     state = tg.TrainState()
-    out = {"skipped_steps": []}
+    out = {"skipped_updates": []}
     train_rows, _ = tg.make_reverse_task(16)
     step = [1]
 
@@ -249,7 +249,7 @@ def fp16_skip(rank, world, out_dir, mode="ddp"):
         tg.grpo_step(args, run, train_rows[2 * rank:2 * rank + 2], state)
         out[f"moved_{tag}"] = any(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
         out[f"scale_{tag}"] = run.scaler.get_scale()
-        out["skipped_steps"].append(state.skipped_steps)
+        out["skipped_updates"].append(state.skipped_updates)
     out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
     torch.save(out, os.path.join(out_dir, f"fp16_{mode}_{rank}.pt"))
     del wrapped, run
@@ -324,13 +324,13 @@ def world_quantities(rank, world, out_dir):
     state = tg.TrainState()
     with patched(**stand_ins):
         record, _ = tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
-        out = {"world_entropy": state.world_entropy, "skipped_after_1": state.skipped_steps,
+        out = {"world_entropy": state.world_entropy, "skipped_after_1": state.skipped_updates,
                "record": {k: v for k, v in record.items() if isinstance(v, (int, float))}}
         before = [p.detach().clone() for p in model.parameters()]
         step[0] = 2
         tg.grpo_step(args, run, [{"prompt": ""}] * 2, state)
     out.update(seen, moved_in_2=any(not torch.equal(b, p) for b, p in zip(before, model.parameters())),
-               skipped_after_2=state.skipped_steps, rewards=rewards.tolist(), tokens=mask.sum().item(),
+               skipped_after_2=state.skipped_updates, rewards=rewards.tolist(), tokens=mask.sum().item(),
                rows=mask.shape[0], ent_sum=(ent * mask).sum().item(), ent_count=mask.sum().item(),
                kl_sum=(kl * mask).sum().item(), no_eos=no_eos.sum().item(), cut=rank + 1)
     torch.save(out, os.path.join(out_dir, f"world_{rank}.pt"))

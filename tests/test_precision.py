@@ -173,9 +173,9 @@ def test_fp16_overflow_halves_the_scale_skips_the_update_and_the_run_continues(f
     updates, to the end of the run."""
     rows, _ = fp16_overflow
     assert [r["step"] for r in rows] == list(range(1, 12))
-    n = rows[-1]["skipped_steps"]
+    n = rows[-1]["skipped_updates"]
     assert 3 <= n <= 8                                               # measured: 7 (the scale fits at 2^9)
-    assert [r["skipped_steps"] for r in rows] == list(range(1, n + 1)) + [n] * (11 - n)
+    assert [r["skipped_updates"] for r in rows] == list(range(1, n + 1)) + [n] * (11 - n)
     assert [r["loss_scale"] for r in rows[:n]] == [2.0 ** (16 - k) for k in range(1, n + 1)]
     assert all(not math.isfinite(r["grad_norm"]) for r in rows[:n])
     assert all(math.isfinite(r["grad_norm"]) and r["loss_scale"] == 2.0 ** (16 - n) for r in rows[n:])
@@ -185,7 +185,7 @@ def test_fp16_overflow_skips_leave_the_schedule_waiting(fp16_overflow):
     """A skipped update does not advance the schedule (HF Trainer's rule): the warm-up starts at its first rate
     once the scale fits, and torch never warns of a scheduler step without an optimizer step."""
     rows, caught = fp16_overflow
-    n = rows[-1]["skipped_steps"]
+    n = rows[-1]["skipped_updates"]
     assert not [w for w in caught if "lr_scheduler.step()" in w]     # torch's warning of a step without update
     # the k-th applied update (from 0) uses lr (k + 1) / (warmup + 1); skipped steps show the rate waiting
     factors = [1 / 5] * n + [min(k + 1, 5) / 5 for k in range(11 - n)]
@@ -208,7 +208,7 @@ def test_sft_warmup_under_fp16_scales_its_loss_like_the_grpo_update():
 
 def test_a_non_finite_grad_norm_under_fp32_skips_the_update_and_counts_it(monkeypatch):
     """fp32 has no GradScaler to skip for it: a NaN loss (so a NaN grad norm) leaves the weights and AdamW's
-    state as they were, is counted in skipped_steps, and leaves no gradient behind; the next step updates."""
+    state as they were, is counted in skipped_updates, and leaves no gradient behind; the next step updates."""
     model, tok = tiny()
     args = tg.parse_args(["--batch_size", "2", "--num_generations", "4", "--max_gen_len", "6"])
     optimizer, scheduler = tg.build_optimizer(model, args)
@@ -228,12 +228,12 @@ def test_a_non_finite_grad_norm_under_fp32_skips_the_update_and_counts_it(monkey
     torch.manual_seed(0)
     first, _ = tg.grpo_step(args, trainer, rows, state)
     assert len(calls) == 1 and math.isnan(first["grad_norm"])
-    assert first["skipped_steps"] == state.skipped_steps == 1
+    assert first["skipped_updates"] == state.skipped_updates == 1
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert not optimizer.state and all(p.grad is None for p in model.parameters())
     second, _ = tg.grpo_step(args, trainer, rows, state)
     assert math.isfinite(second["grad_norm"]) and second["grad_norm"] > 0
-    assert second["skipped_steps"] == state.skipped_steps == 1
+    assert second["skipped_updates"] == state.skipped_updates == 1
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -266,7 +266,7 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(
     for r in ranks:
         assert r["moved_after_inf"] is False and r["scale_after_inf"] == 2.0 ** 15   # skipped, halved
         assert r["moved_after_good"] is True and r["scale_after_good"] == 2.0 ** 15  # then steps again
-        assert r["skipped_steps"] == [1, 1]                                         # the skip is counted
+        assert r["skipped_updates"] == [1, 1]                                         # the skip is counted
     for k in ranks[0]["params"]:
         assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k])
 
@@ -292,6 +292,6 @@ def test_fp16_resume_restores_the_loss_scale(tmp_path, monkeypatch):
     straight, cut = ([json.loads(l) for l in open(tmp_path / d / "metrics.jsonl")] for d in ("straight", "cut"))
     assert [r["loss_scale"] for r in straight] == [2.0 ** 15] * 3
     assert [r["loss_scale"] for r in cut] == [r["loss_scale"] for r in straight]
-    assert [r["skipped_steps"] for r in straight] == [1, 1, 1]
-    assert [r["skipped_steps"] for r in cut] == [1, 1, 1]
+    assert [r["skipped_updates"] for r in straight] == [1, 1, 1]
+    assert [r["skipped_updates"] for r in cut] == [1, 1, 1]
     assert [r["reward"] for r in cut] == [r["reward"] for r in straight]

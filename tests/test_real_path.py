@@ -380,7 +380,7 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
     monkeypatch.setattr(tg, "compute_advantages", nan_after_two_steps)
     tg.main(FAST + ["--max_steps", "4", "--save_interval", "1", "--save_dir", str(tmp_path)])
     rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 2]
+    assert [r["skipped_updates"] for r in rows] == [0, 0, 1, 2]
     # steps 3 and 4 updated nothing: the run ends with step 2's weights, every one finite
     two, final = load_file(tmp_path / "checkpoint-2" / "model.safetensors"), load_final(tmp_path)
     assert two.keys() == final.keys() and all(torch.equal(two[k], final[k]) for k in two)
