@@ -1273,7 +1273,7 @@ def load_task(args, world):
         train_rows, eval_rows = make_compare_task(args.eval_size)
     else:
         train_rows, eval_rows = load_rows(args)
-        if not args.reward_funcs:
+        if args.dataset != "gsm8k" and not args.reward_funcs:
             raise TrainerError(f"--dataset {args.dataset} is not a built-in task: give its rewards with "
                                f"--reward_funcs (GSM8K's are built in: gsm8k_correct_reward,gsm8k_format_reward)")
     if len(train_rows) < args.batch_size * world:

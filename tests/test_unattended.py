@@ -190,3 +190,18 @@ def test_wandbs_table_gives_each_reward_a_column(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
     assert data == [[r["step"], r["split"], r["prompt"], r["completion"], r["rewards"]["f"], r["rewards"]["g"],
                      r["reward"], r["advantage"]] for r in rows]
+
+
+def test_gsm8k_brings_its_own_rewards_and_any_other_dataset_asks_for_yours(tmp_path, monkeypatch):
+    import datasets
+    rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(20)]
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda *a, **k: datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}))
+    args = tg.Args(dataset="gsm8k", model_name_or_path="m", batch_size=2, eval_size=2)
+    _, _, fns, weights, eval_key = tg.load_task(args, world=1)
+    assert fns == [tg.gsm8k_correct_reward, tg.gsm8k_format_reward] and weights == [1.0, 0.1]
+    assert eval_key == "eval_accuracy"
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))        # GSM8K's rows, but not --dataset gsm8k
+    with pytest.raises(tg.TrainerError, match="is not a built-in task: give its rewards with --reward_funcs"):
+        tg.load_task(tg.Args(dataset=str(data), model_name_or_path="m", batch_size=2), world=1)
