@@ -591,30 +591,22 @@ def clip_grad_norm(model, max_norm):
 
 
 # ===============================================================================================================
-# The math of a GRPO step ends here: above is every formula of the update but two, each in a comment where it is
-# computed below: the std of --scale_rewards batch over all ranks (world_mean_and_std), and the scale or cap some
-# models' configs put on their logits (lm_logits). Below is the plumbing the step calls by a name that says what it
-# does: render_prompt and tokenize_prompts (stage 1), rollout (stage 2), unwrap (the bare policy inside a DDP wrapper),
-# completion_token_ids, reward_prompt and score_completions (stage 3, which calls the reward functions), world_sum and
-# world_std (a sum and a std over the ranks), forward_last_hidden, lm_logits, auto_chunk_tokens and is_moe (stage 7),
-# reset_peak_memory and step_metrics (stage 14, with its world means). The loop below also builds what a Run holds
-# before the first step (the DDP wrapper, the frozen reference, the loss scaler, a model without dropout, the built-in
-# task's supervised warm-up), draws each step's prompts and evaluates.
-# Then come the tasks and their rewards, models, processes, flags, checkpoints and logging.
+# Above: the config, one step, and every formula of the update. Below: the plumbing the step calls, by names that say
+# what it does. A formula also rests on some of it: lm_logits (a model's logit scale or softcap), eos_token_ids (the
+# ids that end a completion, so the mask m), world_mean_and_std (the std of --scale_rewards batch over all ranks),
+# frozen_copy (the reference's dtype rule) and the built-in tasks' reward functions. Then come the loop, the tasks,
+# models, processes, flags, checkpoints and logging.
 # ===============================================================================================================
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Plumbing of stages 1-3: prompts, the rollout and the reward calls.
 # ---------------------------------------------------------------------------------------------------------------
-# GSM8K: the reference answer is the number after "####", and the model is asked to end the same way.
 GSM8K_SYSTEM_PROMPT = ("Solve the math problem. Reason step by step, then write the final answer alone on the last "
                        "line as '#### <number>'.")
 
 
 def render_prompt(tokenizer, row):
-    """A row's prompt as the policy reads it: a text prompt as it is, chat messages through the chat template
-    with a new assistant turn (add_generation_prompt, as TRL), or a question with GSM8K's system prompt."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if "prompt" not in row:
         question = row["question"]
@@ -635,12 +627,8 @@ def render_prompt(tokenizer, row):
 
 
 def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
-    """Left-padded ids and mask [B * repeat, P], and how many of the B prompts were cut.
-
-    A prompt starts with the BOS its tokenizer puts first, never twice. A cut drops the start of the prompt,
-    because the end holds the question. The BOS stays, because the model never saw text without one. With
-    max_prompt_len 1 the one token kept is the last.
-    """
+    """Left-padded ids and mask [B * repeat, P], and how many prompts were cut. A cut drops the start, since the end
+    holds the question, but keeps the BOS the tokenizer puts first, since the model never saw text without one."""
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a").input_ids[:1] == [bos]
     ids = tokenizer(list(prompts), add_special_tokens=False).input_ids
@@ -667,12 +655,6 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
 @torch.no_grad()
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True, temperature=1.0,
             static_cache=False):
-    """model.generate in eval mode: completion ids [rows, T], their mask [rows, T], and truncated [rows], True
-    where a completion never emitted an EOS.
-
-    It samples from softmax(z / temperature) and nothing else: a checkpoint's generation_config.json (a
-    repetition penalty, top-k 50) would sample from a distribution the ratio never scores.
-    """
     from transformers import GenerationConfig
     eos = eos_token_ids(policy, tokenizer)
     sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if do_sample else {}
@@ -687,7 +669,8 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     was_training = policy.training
     checkpoint_config = policy.generation_config
     policy.eval()
-    # generate() fills the fields we leave unset from the model's own config, so that one is set aside.
+    # generate() fills the fields left unset from the model's generation_config, and a checkpoint's (a repetition
+    # penalty, top-k 50) would sample from a distribution the ratio never scores, so that one is set aside.
     policy.generation_config = GenerationConfig()
     try:
         out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
@@ -708,7 +691,6 @@ def eos_token_ids(model, tokenizer):
 
 
 def completion_token_ids(completion_ids, mask):
-    # Each completion's tokens up to and including its EOS, as lists: what TRL hands the reward functions.
     return [ids[m.bool()].tolist() for ids, m in zip(completion_ids, mask)]
 
 
@@ -726,16 +708,13 @@ def one_line(e):
 
 
 def reward_prompt(row, text):
-    """The prompt a reward function gets: the dataset's own, chat messages as messages, else the text the policy
-    read. It is a copy, so a reward that edits its prompt never changes the training row."""
+    """The dataset's prompt, copied so that a reward editing it never changes the row; else the rendered text."""
     if "prompt" not in row:
         return text
     return copy.deepcopy(row["prompt"])
 
 
 def score_completions(reward_fns, prompts, completions, completion_ids_list, rows):
-    """[rows, K] in float64: reward function k's value for completion i, NaN where it returned None. A sample
-    that no function scores, or a value that is not a finite number, stops the run."""
     table = torch.full((len(completions), len(reward_fns)), math.nan, dtype=torch.float64)
     for k, fn in enumerate(reward_fns):
         values = call_reward(fn, prompts, completions, completion_ids_list, rows)
@@ -755,9 +734,7 @@ def score_completions(reward_fns, prompts, completions, completion_ids_list, row
 
 
 def call_reward(fn, prompts, completions, completion_ids_list, rows):
-    """TRL's call: f(prompts, completions, completion_ids, **columns), every dataset column as a list."""
     if not isinstance(prompts[0], str):
-        # A chat prompt stays its messages, and each completion becomes one assistant message, as in TRL.
         completions = [[{"role": "assistant", "content": c}] for c in completions]
     passed_already = ("prompt", "completion", "completion_ids")
     # Each value is a copy, so a reward that edits a column never changes the training rows.
@@ -765,7 +742,6 @@ def call_reward(fn, prompts, completions, completion_ids_list, rows):
     try:
         values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids_list, **columns)
     except Exception as e:
-        # The traceback shows your code; the note says which of your functions it is.
         e.add_note(f"in reward function {fn.__name__}, called by train_grpo.py on {len(rows)} samples")
         raise
     if hasattr(values, "tolist"):
@@ -776,7 +752,6 @@ def call_reward(fn, prompts, completions, completion_ids_list, rows):
 
 
 def world_sum(*values, device="cpu"):
-    """Each value summed over all ranks, in one all-reduce in float64. In one process: the values."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
@@ -788,9 +763,7 @@ def world_std(values, device="cpu"):
 
 
 def world_mean_and_std(values, device="cpu"):
-    # The mean and the std (n - 1) of every rank's values, in float64, from one all-reduce of a sum, a sum of
-    # squares and a count: std = sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)). As TRL's nanmean and nanstd, no
-    # value has no mean (NaN), and one value has no std.
+    # std = sqrt((sum x^2 - (sum x)^2 / n) / (n - 1)). As TRL's nanmean and nanstd, no value has no mean, one no std.
     s, s2, n = world_sum(values.double().sum(), (values.double() ** 2).sum(), values.numel(), device=device)
     mean = s / n if n > 0 else math.nan
     std = math.sqrt(max(s2 - s * s / n, 0.0) / (n - 1)) if n > 1 else math.nan
@@ -805,9 +778,7 @@ def is_moe(model):
 
 
 def forward_last_hidden(model, **inputs):
-    """model(**inputs) through its wrapper, and the decoder's last hidden state, caught by a hook.
-    output_hidden_states would keep every layer's at once, and logits_to_keep=1 runs the model's own lm_head on
-    the last position only."""
+    """model(**inputs) and the decoder's last hidden state, hooked: output_hidden_states would keep every layer's."""
     caught = []
     hook = unwrap(model).get_decoder().register_forward_hook(
         lambda module, args, out: caught.append(out.last_hidden_state))
@@ -831,13 +802,11 @@ def lm_logits(model, hidden):
     return z
 
 
-# At a real vocabulary, [rows, T, V] logits would be the largest tensor of a step, so a chunk of fp32 logits is
-# bounded in bytes instead.
+# At a real vocabulary [rows, T, V] logits would be a step's largest tensor, so a chunk of them is bounded in bytes.
 LOGITS_BUDGET_MIB = 64
 
 
 def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
-    # tokens = budget / (V * 4 bytes), at least 1
     return max(1, budget_mib * 2**20 // (vocab_size * 4))
 
 
@@ -845,9 +814,8 @@ def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
 # Plumbing of stage 14: the step's metrics over all ranks, its time and its memory.
 # ---------------------------------------------------------------------------------------------------------------
 def step_metrics(args, run, batch, state, update_stats, step_time):
-    """The step's record over all ranks, TRL's names. Every rank has B*G rows, so the world's mean is the sum of
-    the rank means over the world size. With mu > 1 the loss terms are the last update's. The timings and the
-    memory are this rank's; tokens_per_s is the world's completion tokens over this rank's step time."""
+    """TRL's names. Every rank has B*G rows, so the world's mean is the sum of the rank means over the world size.
+    The timings and the memory are this rank's."""
     device = batch.input_ids.device
     N = update_stats["N"]
     grouped = batch.rewards.view(-1, args.num_generations)
@@ -862,10 +830,8 @@ def step_metrics(args, run, batch, state, update_stats, step_time):
     for name, total in zip(rank_means, world_totals):
         record[name] = total / run.world
     record.update(reward_metrics("rewards", run.reward_fns, values_per_func(batch, run), device))
-    # The KL and the clipped tokens are token sums, so they are divided by N, the step's masked tokens.
     kl_sum, clipped, cut, tokens = world_sum(update_stats["kl"], update_stats["clipped"], batch.prompts_cut,
                                              batch.completion_len.sum(), device=device)
-    # The stds are TRL's, over every row of every rank, with n - 1.
     record.update({"kl": kl_sum / max(N, 1.0), "clip_ratio": clipped / max(N, 1.0),
                    "reward_std": world_std(batch.rewards, device), "advantage_std": world_std(batch.advantages, device),
                    "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
@@ -880,16 +846,13 @@ def step_metrics(args, run, batch, state, update_stats, step_time):
 
 
 def values_per_func(batch, run):
-    """The batch's [rows, K] values per reward function. A fork's Batch may bring none: then all NaN, so every rank
-    still runs the same reductions, of nothing."""
+    """A fork's Batch may bring no rewards_per_func: then all NaN, so every rank still runs the same reductions."""
     if batch.rewards_per_func is None:
         return torch.full((len(batch.rewards), len(run.reward_fns)), math.nan, dtype=torch.float64)
     return batch.rewards_per_func
 
 
 def reward_metrics(prefix, reward_fns, rewards_per_func, device):
-    """<prefix>/<name>/mean and std: each function's value before its weight, over every row it scored on every
-    rank (a None, NaN here, does not count)."""
     record = {}
     for k, fn in enumerate(reward_fns):
         values = rewards_per_func[:, k]
@@ -905,7 +868,6 @@ def reset_peak_memory(device):
 
 
 def peak_memory_gib(device):
-    """On CUDA the most allocated since this step began; on a CPU the process's peak resident memory."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
@@ -918,11 +880,8 @@ def peak_memory_gib(device):
 # The loop.
 # ---------------------------------------------------------------------------------------------------------------
 def train(args, rank, world, device, collect=None):
-    """Set up, start or resume, then one grpo_step per step, with eval, logging and checkpoints. `collect` is
-    grpo_step's: None samples from the policy."""
     started = time.time()
     ckpt = checkpoint_to_resume(args)
-    # --resume auto goes on with the run in --save_dir, from its latest checkpoint or, without one, from step 1.
     continues_here = args.resume == "auto" or (
         ckpt is not None and os.path.dirname(os.path.abspath(ckpt)) == os.path.abspath(args.save_dir))
     holds_a_run = find_checkpoint(args.save_dir) or os.path.isfile(os.path.join(args.save_dir, "args.json"))
@@ -946,14 +905,12 @@ def train(args, rank, world, device, collect=None):
                                       seed=args.seed, drop_last=True)
     model = wrap_ddp(policy, device) if world > 1 else policy
     if not args.model_name_or_path and args.sft_warmup_steps > 0 and (ckpt is None or args.beta > 0):
-        # A resumed run gets its weights from the checkpoint. It redoes the warm-up only to rebuild the reference
-        # model, which is the policy as the warm-up left it. The warm-up is deterministic, so it is the same.
+        # A resume redoes the deterministic warm-up only for the reference, the policy as the warm-up left it.
         sft_warmup(model, tokenizer, train_rows, args, device, rank, world)
     ref_model = frozen_copy(policy, getattr(torch, args.dtype)) if args.beta > 0 else None
     optimizer, scheduler = build_optimizer(policy, args)
     run = Run(model, ref_model, optimizer, scheduler, loss_scaler(args.dtype, device), tokenizer, reward_fns, weights,
               world, device)
-
     last_eval = ""
     if ckpt:
         state = resume(args, ckpt, run, rank)
@@ -973,7 +930,6 @@ def train(args, rank, world, device, collect=None):
             last_eval = f"{record[eval_key]:.3f}"
             if rank == 0:
                 print(f"{eval_key} before GRPO: {last_eval}")
-
     model.train()
     bar = tqdm(range(state.step + 1, args.max_steps + 1), initial=state.step, total=args.max_steps,
                disable=rank != 0, desc="grpo")
@@ -1004,12 +960,10 @@ def train(args, rank, world, device, collect=None):
             ckpt = save(args, run, state, rank)
         if stopping:
             break
-
     where = ckpt
     if state.step == args.max_steps:
         where = os.path.join(args.save_dir, "final")
     if rank == 0 and state.step == args.max_steps:
-        # final/ is the last checkpoint's model and tokenizer, a plain from_pretrained folder.
         shutil.rmtree(where, ignore_errors=True)
         shutil.copytree(ckpt, where, ignore=shutil.ignore_patterns("*.pt"))
     if rank == 0:
@@ -1022,7 +976,6 @@ def train(args, rank, world, device, collect=None):
 
 
 def next_prompts(prompt_order, train_rows, state, batch_size):
-    """This rank's B prompts, in the DistributedSampler's order, a new order each epoch."""
     if state.sampler_pos + batch_size > len(prompt_order):
         state.sampler_epoch += 1
         state.sampler_pos = 0
@@ -1039,9 +992,8 @@ def loss_scaler(dtype, device):
 
 
 def frozen_copy(policy, dtype):
-    """The reference: a frozen copy of the policy that computes exactly what the policy computes at equal
-    weights. Autocast feeds the policy's Linear layers a --dtype copy of their weights, so the reference stores
-    just that copy and keeps the rest as the policy has it (embeddings, a head tied to them, norms, RoPE)."""
+    """Autocast feeds the policy's Linear layers a --dtype copy of their weights, so the reference stores just that
+    copy, and the rest (embeddings, a head tied to them, norms) as the policy has it: KL = 0 at equal weights."""
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     embedding = ref.get_input_embeddings().weight
     for module in ref.modules():
@@ -1051,8 +1003,6 @@ def frozen_copy(policy, dtype):
 
 
 def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
-    """The built-in task only: supervised steps on the answers, so that the tiny model earns some reward.
-    Every step takes --sft_batch_size rows, split over the ranks, so any number of ranks trains on the same rows."""
     if args.sft_batch_size < world:
         raise TrainerError(f"the supervised warm-up shares --sft_batch_size {args.sft_batch_size} rows among "
                            f"{world} ranks, one at least each: use --sft_batch_size >= {world} or --sft_warmup_steps 0")
@@ -1085,9 +1035,6 @@ def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
 
 @torch.no_grad()
 def evaluate(args, run, eval_rows, eval_key, rank, step, per_call=0):
-    """Greedy completions of the held-out rows, scored by the task's rewards over all ranks: the eval's metrics
-    (eval_key's mean, and each function's eval_rewards/<name>/mean and std) and, on rank 0, its rows for
-    completions.jsonl. A generate call holds at most as many rows as a rollout (B*G) unless `per_call` says so."""
     per_call = per_call or args.batch_size * args.num_generations
     policy = unwrap(run.model)
     tokenizer = run.tokenizer
@@ -1124,8 +1071,6 @@ def evaluate(args, run, eval_rows, eval_key, rank, step, per_call=0):
 # ---------------------------------------------------------------------------------------------------------------
 # Tasks, datasets and their rewards.
 # ---------------------------------------------------------------------------------------------------------------
-# The built-in task: reverse a string of letters, "cabde=" -> "edbac". A 2-layer model can learn it in minutes
-# on a CPU, and the held-out strings were never trained on.
 REVERSE_ALPHABET = "abcdefgh"
 REVERSE_LEN = 5
 
@@ -1149,11 +1094,7 @@ def reverse_reward(completions, answer, **kwargs):
     return rewards
 
 
-# compare_numbers, the built-in task for a real instruct model: the larger of two 2-digit numbers, alone.
-# SmolLM2-135M-Instruct, greedy, puts the right number first for 1% of the held-out questions, yet one of 8
-# samples is right for about 65% of the prompts: a signal GRPO turns into the answer.
 def make_compare_task(eval_size, seed=1234):
-    """Held out: the first eval_size pairs of a seeded shuffle, trained on in neither order."""
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
     random.Random(seed).shuffle(pairs)
     held_out = {frozenset(p) for p in pairs[:eval_size]}
@@ -1167,12 +1108,10 @@ def make_compare_task(eval_size, seed=1234):
 
 
 def text_of(completion):
-    # A chat completion arrives as [{"role": "assistant", "content": text}].
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
 def compare_correct_reward(completions, answer, **kwargs):
-    # 1.0 if the first number in the completion is the larger one ("43 is larger than 15" counts as 43).
     rewards = []
     for completion, target in zip(completions, answer):
         first = re.search(r"-?\d+", text_of(completion))
@@ -1181,13 +1120,10 @@ def compare_correct_reward(completions, answer, **kwargs):
 
 
 def compare_format_reward(completions, **kwargs):
-    # 1.0 if the completion is a number alone ("43" or "43."), as the prompt asks.
     return [float(re.fullmatch(r"\s*-?\d+\.?\s*", text_of(c)) is not None) for c in completions]
 
 
-# lm-eval-harness's GSM8K strict match: its regex takes the first '#### N', then ',', '$', everything up to the
-# last '#### ' and a final '.' are dropped from N and from the reference answer alike, and the two strings must be
-# equal. A completion without '#### N' gets 0, however right its last number, as in the published scores.
+# lm-eval-harness's GSM8K strict match: the first '#### N' and the reference, normalized alike, must be equal.
 GSM8K_ANSWER = r"#### (\-?[0-9\.\,]+)"
 GSM8K_IGNORED = (",", r"\$", r"(?s).*#### ", r"\.$")
 
@@ -1199,7 +1135,6 @@ def gsm8k_normalized(text):
 
 
 def gsm8k_correct_reward(completions, answer, **kwargs):
-    # 1.0 if the completion's first '#### N' matches the reference under lm-eval-harness's strict match.
     rewards = []
     for completion, target in zip(completions, answer):
         found = re.findall(GSM8K_ANSWER, text_of(completion))
@@ -1209,12 +1144,10 @@ def gsm8k_correct_reward(completions, answer, **kwargs):
 
 
 def gsm8k_format_reward(completions, **kwargs):
-    # 1.0 if the completion ends with a '#### N' that the strict match reads.
     return [float(re.search(GSM8K_ANSWER + r"\s*$", text_of(c)) is not None) for c in completions]
 
 
 def task_rewards(args):
-    """The task's reward functions, its correctness reward first, and their weights."""
     if not args.dataset:
         return [reverse_reward], [1.0]
     if args.dataset == "compare_numbers":
@@ -1223,8 +1156,6 @@ def task_rewards(args):
 
 
 def load_reward_funcs(spec):
-    """'file.py:name,gsm8k_format_reward' -> functions. A file is imported as a module; a bare name is one of
-    this file's *_reward functions."""
     fns = []
     for item in spec.split(","):
         path, _, name = item.strip().rpartition(":")
@@ -1250,7 +1181,6 @@ def load_reward_funcs(spec):
 
 
 def load_task(args, world):
-    """Train rows, held-out rows, the reward functions and weights, and the name of the eval's score."""
     reward_fns, weights = task_rewards(args)
     if args.reward_funcs:
         reward_fns = load_reward_funcs(args.reward_funcs)
@@ -1281,13 +1211,11 @@ def load_task(args, world):
                            f"{args.batch_size * world}")
     if not eval_rows:
         args.eval_interval = 0
-    # The eval scores your rewards by their weighted sum, a task's by its correctness reward alone.
     eval_key = "eval_reward" if args.reward_funcs else "eval_accuracy"
     return train_rows, eval_rows, reward_fns, weights, eval_key
 
 
 def load_rows(args):
-    """A hub dataset or a local file: (train rows, held-out rows), every column as the dataset has it."""
     import datasets
     name = args.dataset
     path = os.path.expanduser(name)
@@ -1309,7 +1237,6 @@ def load_rows(args):
         raise TrainerError(f"--dataset {name}: could not load it ({one_line(e)})") from None
     train = splits["train"] if "train" in splits else splits[list(splits)[0]]
     columns = train.column_names
-    # A row gives its prompt, or a question and an answer as GSM8K does.
     needed = ["prompt"] if "prompt" in columns else ["question", "answer"]
     missing = [c for c in needed if c not in columns]
     if missing:
@@ -1320,7 +1247,6 @@ def load_rows(args):
     rows = [dict(r) for r in train]
     if "train" in splits and "test" in splits:
         return rows, [dict(r) for r in splits["test"]][:args.eval_size]
-    # Without both a train and a test split, the first rows of the split it trains on, at most a tenth, are held out.
     n_eval = min(args.eval_size, len(rows) // 10)
     return rows[n_eval:], rows[:n_eval]
 
@@ -1329,7 +1255,6 @@ def load_rows(args):
 # Models.
 # ---------------------------------------------------------------------------------------------------------------
 def build_char_tokenizer(chars):
-    """A character-level tokenizer made in-process: one token per character, plus <pad>, <eos> and <unk>."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + list(chars))}
@@ -1341,7 +1266,6 @@ def build_char_tokenizer(chars):
 
 
 def build_tiny_model(vocab_size, use_moe, tokenizer):
-    """A 75k-parameter Qwen3, or Qwen3-MoE with 4 experts, built from a config: no download."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=True,
@@ -1366,7 +1290,6 @@ def load_model_and_tokenizer(args, device):
         if name.endswith(".gguf"):
             if not os.path.isfile(where):
                 raise TrainerError(f"--model_name_or_path {name}: no such file (a .gguf is read from a local file)")
-            # transformers reads the weights, the tokenizer and the chat template from the one file.
             where, kwargs["gguf_file"] = os.path.split(os.path.abspath(where))
         elif name.startswith((".", "/", "~")) or os.path.exists(where):
             if not os.path.isfile(os.path.join(where, "config.json")):
@@ -1383,7 +1306,6 @@ def load_model_and_tokenizer(args, device):
             tokenizer.pad_token = tokenizer.eos_token
         if args.use_moe and not is_moe(model):
             raise TrainerError(f"--use_moe 1 but {name} is a dense {model.config.model_type}")
-    # Master weights in float32; --dtype is the compute dtype, under autocast.
     model.to(device=device, dtype=torch.float32)
     disable_dropout(model)
     check_output_head(model)
@@ -1393,8 +1315,7 @@ def load_model_and_tokenizer(args, device):
 
 
 def plain_model(model):
-    """A model read from GGUF holds dequantized float32 weights but keeps a quantizer's mark, and save_pretrained
-    refuses it. Rebuilt from its config without the mark, it saves as plain safetensors."""
+    """GGUF's dequantized float32 weights in a model without the quantizer's mark, which save_pretrained refuses."""
     from transformers import AutoModelForCausalLM
     del model.config.quantization_config
     plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
@@ -1404,8 +1325,7 @@ def plain_model(model):
 
 
 def disable_dropout(model):
-    """Dropout would make the log-probs noisy. With mu > 1 the old log-probs would not match the current ones at
-    equal weights, and with beta > 0 the reference's would not, so the KL would not be 0 at the first update."""
+    """With dropout, old (mu > 1) and reference (beta > 0) log-probs would differ at equal weights from logp."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -1435,7 +1355,6 @@ def check_output_head(model):
 # Processes: torchrun and DDP.
 # ---------------------------------------------------------------------------------------------------------------
 def setup_distributed(args):
-    """(rank, world, device). torchrun sets WORLD_SIZE, RANK and LOCAL_RANK; plain `python` is one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         return 0, 1, torch.device(auto if args.device == "auto" else args.device)
@@ -1448,8 +1367,7 @@ def setup_distributed(args):
 
 
 def wrap_ddp(model, device):
-    """The loss's forward goes through the wrapper, whose hooks all-reduce the gradients; generate() does not.
-    A model with one module per expert leaves some unused in a step, which DDP must be told."""
+    """The wrapper's hooks all-reduce the gradients of the loss's forward. Some experts may sit out a step."""
     per_expert_modules = any(isinstance(m, torch.nn.ModuleList) and name.endswith("experts")
                              for name, m in model.named_modules())
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -1464,20 +1382,14 @@ def barrier():
 # ---------------------------------------------------------------------------------------------------------------
 # Flags. A problem with the input is one line `error: ...`, before any work.
 # ---------------------------------------------------------------------------------------------------------------
-# A real model starts from a real run's sizes, never the toy's 8 new tokens and lr 2e-4, and saves as it goes, so
-# that a kill costs at most 50 steps. A flag you type wins. On a GPU it also recomputes each layer in backward,
-# because there memory is the limit; on a CPU it rarely is.
+# Saving every 50 steps caps what a kill costs. On a GPU, where memory is the limit, layers recompute in backward.
 REAL_MODEL_DEFAULTS = dict(batch_size=8, micro_batch_size=8, max_prompt_len=512, max_gen_len=512,
                            learning_rate=1e-6, max_steps=500, eval_interval=50, save_interval=50, save_total_limit=2)
 REAL_MODEL_GPU_DEFAULTS = dict(gradient_checkpointing=1)
 
-# A built-in task's own sizes win over those. compare_numbers is sized for SmolLM2-135M on a 2-core CPU.
 TASK_DEFAULTS = {"compare_numbers": dict(batch_size=4, max_gen_len=8, max_prompt_len=128, learning_rate=2e-5,
                                          max_steps=40, eval_interval=10, eval_size=200)}
 
-# A resumed run takes its flags from its checkpoint's args.json. A flag typed at --resume may change how long it
-# runs (not under a cosine schedule), how often it saves and evaluates, where it writes and logs, how much memory a
-# step takes, and whether remote code may load; any other must match, as it changes what is computed.
 RESUME_MAY_CHANGE = ("max_steps", "save_interval", "save_total_limit", "eval_interval", "stop_after", "report_to",
                      "run_name", "save_dir", "resume", "gradient_checkpointing", "trust_remote_code",
                      "micro_batch_size", "logp_chunk_size", "log_completions", "num_completions_to_print")
@@ -1513,16 +1425,13 @@ def parse_args(argv=None):
 
 
 def checkpoint_to_resume(args):
-    """The checkpoint folder --resume names: 'auto' is the latest in --save_dir, None when there is none."""
     if args.resume == "auto":
         return find_checkpoint(args.save_dir)
     return args.resume or None
 
 
 def resumed_args(args, typed, ckpt, parser):
-    """The flags of the run that wrote ckpt (None: of the run in --save_dir, which starts again at step 1), with the
-    typed ones that may change at a resume applied. --resume and --stop_after are always this command's, and
-    --save_dir is the run's own folder unless typed."""
+    """Flags of the run that wrote ckpt (None: the one in --save_dir, restarted at step 1), with the typed ones."""
     folder = os.path.dirname(os.path.abspath(ckpt)) if ckpt else args.save_dir
     this_command = {"save_dir": typed.get("save_dir", folder), "resume": args.resume, "stop_after": args.stop_after}
     # The prompt order and a step's rows depend on the number of processes: each wrote its own rng_state_<rank>.pt.
@@ -1584,8 +1493,6 @@ def resumed_args(args, typed, ckpt, parser):
 
 
 def check_args(a):
-    """Every flag against what it means: one message per problem, naming the flag. A path that does not load
-    stops the run with one line when it is read, before any work."""
     positive = ("batch_size max_steps max_gen_len max_prompt_len num_iterations learning_rate sft_learning_rate "
                 "sft_batch_size temperature").split()
     non_negative = ("micro_batch_size logp_chunk_size beta weight_decay warmup_steps grad_clip sft_warmup_steps "
@@ -1643,7 +1550,6 @@ def set_rng_state(state):
 
 
 def save(args, run, state, rank):
-    """save_dir/checkpoint-<step>/: the model and tokenizer, trainer_state.pt, and each rank's RNG state."""
     final = os.path.join(args.save_dir, f"checkpoint-{state.step}")
     tmp = final + ".tmp"
     if rank == 0:
@@ -1668,9 +1574,7 @@ def save(args, run, state, rank):
 
 
 def delete_oldest(save_dir, keep):
-    """Once a checkpoint is whole: the oldest beyond the newest `keep` (0: none) go, each renamed first in one atomic
-    step, so that a kill in the middle leaves a folder --resume auto never reads. Folders an earlier kill left
-    half deleted or half written go too."""
+    """A checkpoint is renamed atomically before deletion, so a kill never leaves half of one --resume auto reads."""
     if keep:
         for path in checkpoints(save_dir)[:-keep]:
             os.replace(path, path + ".deleting")
@@ -1681,7 +1585,6 @@ def delete_oldest(save_dir, keep):
 
 
 def save_pretrained(model, tokenizer, where):
-    """A plain transformers folder in safetensors, without transformers' progress bar."""
     from transformers.utils import logging as hf_logging
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -1694,14 +1597,12 @@ def save_pretrained(model, tokenizer, where):
 
 
 def write_args(args, folder):
-    """args.json: every flag of the run as it was resolved, the defaults of a real model and a task included.
-    --resume says how a command started, not what the run computes, so a resumed run's reads as its first's."""
+    """--resume says how a command started, not what the run computes, so args.json records it empty."""
     with open(os.path.join(folder, "args.json"), "w") as f:
         json.dump({**dataclasses.asdict(args), "resume": ""}, f, indent=1)
 
 
 def changed_flags(args):
-    """The flags whose values differ from the built-in toy task's defaults, as you would type them."""
     toy = Args()
     return " ".join(f"--{k} {v}" for k, v in dataclasses.asdict(args).items() if v != getattr(toy, k))
 
@@ -1740,8 +1641,7 @@ def load_weights(model, ckpt, trust_remote_code=False):
 
 
 def resume(args, ckpt, run, rank):
-    """Restore everything a checkpoint holds, this rank's RNG too, and trim the logs back to it. parse_args has
-    checked that the checkpoint's flags and files are this run's."""
+    """Restore a checkpoint, this rank's RNG too, and trim the logs to it; parse_args has checked its files."""
     load_weights(unwrap(run.model), ckpt, trust_remote_code=bool(args.trust_remote_code))
     # weights_only: a checkpoint holds data, never code to run.
     saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=True)
@@ -1772,13 +1672,10 @@ def trim_log(path, step):
 # ---------------------------------------------------------------------------------------------------------------
 # Logging.
 # ---------------------------------------------------------------------------------------------------------------
-# The two logs in --save_dir, one JSON line per record: a resume trims both back to its step.
 LOGS = ("metrics.jsonl", "completions.jsonl")
 
 
 def log_step(args, record, samples, rank, report=None):
-    """Rank 0 appends the step's record to metrics.jsonl and its completions to completions.jsonl, prints a few of
-    the eval's, and hands both to --report_to's logger, if any."""
     if rank != 0:
         return
     with open(os.path.join(args.save_dir, "metrics.jsonl"), "a") as f:
@@ -1805,8 +1702,7 @@ def json_line(record):
 
 
 def cut(text, limit=60, tail=False):
-    """Model text for the console: repr escapes what would garble it, and a long text is cut (a prompt keeps its
-    end, where the question is)."""
+    """Console text: repr escapes what would garble it; a cut prompt (tail) keeps its end, where the question is."""
     if len(text) <= limit:
         return repr(text)
     if tail:
@@ -1815,8 +1711,7 @@ def cut(text, limit=60, tail=False):
 
 
 def print_group(samples, G):
-    """One training group of the step: its prompt, then each completion with its rewards and advantage. The first
-    group whose rewards differ, since a tied group teaches nothing."""
+    """The first training group whose rewards differ (a tied group teaches nothing), else the first."""
     group = samples[:G]
     for start in range(0, len(samples), G):
         if len({sample["reward"] for sample in samples[start:start + G]}) > 1:
@@ -1830,7 +1725,7 @@ def print_group(samples, G):
 
 
 def batch_samples(step, batch, run):
-    """This rank's training rows for completions.jsonl, decoded from the Batch, each completion up to its EOS."""
+    """Training samples, each cut at completion_len: --mask_truncated_completions may zero a mask."""
     T = batch.completion_mask.shape[1]
     P = batch.input_ids.shape[1] - T
     kept = torch.arange(T, device=batch.input_ids.device) < batch.completion_len.unsqueeze(1)
@@ -1842,9 +1737,7 @@ def batch_samples(step, batch, run):
 
 def completion_samples(step, split, run, prompt_ids, prompt_mask, completions, rewards_per_func, rewards,
                        advantages=None):
-    """A line of completions.jsonl per row of rank 0: the prompt as the policy read it (its tokens, the padding
-    left out), the completion as the rewards read it, each reward's value before its weight (None where it
-    returned None), the total reward and the advantage (None at an eval)."""
+    """completions.jsonl's lines, which only rank 0 logs: the prompt without its padding, each reward unweighted."""
     names = [fn.__name__ for fn in run.reward_fns]
     samples = []
     for i, completion in enumerate(completions):
@@ -1860,9 +1753,7 @@ def completion_samples(step, split, run, prompt_ids, prompt_mask, completions, r
 
 
 def open_report(args, rank, resumed_at=None):
-    """--report_to's (send(record, samples), close()) on rank 0, else (None, None). A resumed run goes on in its
-    TensorBoard run, which drops the points after the checkpoint, and in a new wandb run of the same group, unless
-    wandb's own WANDB_RUN_ID and WANDB_RESUME say otherwise."""
+    """A resume goes on in its TensorBoard run, later points purged, and by default a new wandb run of its group."""
     if args.report_to == "none" or rank != 0:
         return None, None
     name = args.run_name or os.path.basename(os.path.normpath(args.save_dir))
@@ -1900,7 +1791,6 @@ def open_report(args, rank, resumed_at=None):
 
 
 def summary(args, state, eval_key, started):
-    """The run's last line: its held-out score at the first eval, at its best and at the last."""
     records = [json.loads(line) for line in open(os.path.join(args.save_dir, "metrics.jsonl"))]
     evals = [(r[eval_key], r["step"]) for r in records if r.get(eval_key) is not None]
     held_out = "no held-out eval"
