@@ -1076,6 +1076,7 @@ REVERSE_LEN = 5
 
 
 def make_reverse_task(eval_size, seed=1234):
+    # The built-in task: reverse a string of letters, "cabde=" -> "edbac". The held-out strings are never trained on.
     rng = random.Random(seed)
     strings = set()
     while len(strings) < 6000:
@@ -1095,6 +1096,7 @@ def reverse_reward(completions, answer, **kwargs):
 
 
 def make_compare_task(eval_size, seed=1234):
+    # The larger of two 2-digit numbers, a task SmolLM2-135M-Instruct can learn; held out: trained in neither order.
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
     random.Random(seed).shuffle(pairs)
     held_out = {frozenset(p) for p in pairs[:eval_size]}
@@ -1112,6 +1114,7 @@ def text_of(completion):
 
 
 def compare_correct_reward(completions, answer, **kwargs):
+    # 1.0 if the completion's first number is the larger one ("43 is larger than 15" counts as 43).
     rewards = []
     for completion, target in zip(completions, answer):
         first = re.search(r"-?\d+", text_of(completion))
@@ -1120,6 +1123,7 @@ def compare_correct_reward(completions, answer, **kwargs):
 
 
 def compare_format_reward(completions, **kwargs):
+    # 1.0 if the completion is a number alone ("43" or "43."), as the prompt asks.
     return [float(re.fullmatch(r"\s*-?\d+\.?\s*", text_of(c)) is not None) for c in completions]
 
 
@@ -1135,6 +1139,7 @@ def gsm8k_normalized(text):
 
 
 def gsm8k_correct_reward(completions, answer, **kwargs):
+    # 1.0 if the first '#### N' matches the answer, both stripped of ',', '$', all before '#### ' and a final '.'.
     rewards = []
     for completion, target in zip(completions, answer):
         found = re.findall(GSM8K_ANSWER, text_of(completion))
@@ -1144,6 +1149,7 @@ def gsm8k_correct_reward(completions, answer, **kwargs):
 
 
 def gsm8k_format_reward(completions, **kwargs):
+    # 1.0 if the completion ends with a '#### N' that the strict match reads.
     return [float(re.search(GSM8K_ANSWER + r"\s*$", text_of(c)) is not None) for c in completions]
 
 
