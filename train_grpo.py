@@ -1483,8 +1483,9 @@ def resumed_args(args, typed, ckpt, parser):
         parser.error(f"--max_steps {resumed.max_steps} is below step {step} of {ckpt}: give {step} or more")
     if 0 < resumed.stop_after <= step:
         parser.error(f"--stop_after {resumed.stop_after} is not after step {step} of {ckpt}: give a later step")
-    latest = find_checkpoint(resumed.save_dir)
-    if ckpt and latest and step_of(latest) > step:
+    latest = find_checkpoint(folder)
+    in_its_folder = os.path.abspath(resumed.save_dir) == os.path.abspath(folder)
+    if ckpt and in_its_folder and latest and step_of(latest) > step:
         # Going on from an older checkpoint in its folder would mix two histories there.
         parser.error(f"--resume {ckpt}: {latest} is later; continue with --resume auto, or branch from it into a "
                      f"new folder with --resume {ckpt} --save_dir NEW")

@@ -67,8 +67,9 @@ def train(rank, world, argv, out_dir, bypass_ddp=False, tag="train"):
 
 def teardown(rank, world, out_dir, argv, case):
     """The trainer's CLI on this rank, ending normally with its DDP wrapper caught in a reference cycle
-    (case "cycle"), with a reward that raises (case "error"; the error's traceback holds train's frame), or with
-    a reward whose error has a context chain that loops (case "context_cycle"). Saves the exit status and
+    (case "cycle"), with a reward that raises (case "error"; the error, Python's own, leaves cli with a
+    traceback that holds train's frame), or with a reward whose error has a context chain that loops (case
+    "context_cycle"). Saves the exit status ("raised", with the error's type and notes, where cli raised) and
     whether a DDP wrapper was alive, uncollected, when main destroyed the group."""
     reward_file = os.path.join(out_dir, f"boom_{case}_{rank}.py")
     with open(reward_file, "w") as f:
@@ -91,12 +92,16 @@ def teardown(rank, world, out_dir, argv, case):
         return wrapped
     dist.destroy_process_group = destroy_process_group
     extra = ["--reward_funcs", f"{reward_file}:boom"] if case != "cycle" else []
+    raised = None
     try:
         with patched(wrap_ddp=wrap_ddp if case == "cycle" else real_wrap):
             status = tg.cli(argv + extra)
+    except Exception as e:                 # the reward's own error, as `python train_grpo.py` ends with it
+        status, raised = "raised", [type(e).__name__, str(e), list(getattr(e, "__notes__", []))]
     finally:
         dist.destroy_process_group = real_destroy
-    torch.save({"status": status, "ddp_alive_at_destroy": alive}, os.path.join(out_dir, f"{case}_{rank}.pt"))
+    torch.save({"status": status, "raised": raised, "ddp_alive_at_destroy": alive},
+               os.path.join(out_dir, f"{case}_{rank}.pt"))
 
 
 # different data and different token counts per rank: rank 0 has 10 tokens of entropy ~0.1, rank 1 has 2 of ~0.5

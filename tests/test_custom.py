@@ -112,8 +112,6 @@ def test_a_chat_message_without_role_or_content_is_one_line(tmp_path, model_dir,
 @pytest.mark.parametrize("content, words", [
     ("def length_reward(completions:\n", "importing"),                       # a syntax error
     ("def other(completions, **kw): return [1.0] * len(completions)\n", "no function 'length_reward'"),
-    ("def length_reward(completions, **kw): return ['good'] * len(completions)\n", "not a number"),
-    ("def length_reward(prompts, completions): return [1.0] * len(completions)\n", "cannot take"),
 ])
 def test_broken_reward_file_is_one_line(tmp_path, model_dir, capsys, content, words):
     (tmp_path / "r.py").write_text(content)
@@ -125,10 +123,30 @@ def test_broken_reward_file_is_one_line(tmp_path, model_dir, capsys, content, wo
     assert status == 1 and len(lines) == 1 and words in lines[0] and "length_reward" in lines[0], err[-2000:]
 
 
-def wandb_history(run_file):
-    """The 'history' records of an offline wandb run file (a LevelDB-style log of protobuf Records)."""
+@pytest.mark.parametrize("content, error, words, note", [
+    # text is no reward: float() refuses it, and its own error leaves the run
+    ("def length_reward(completions, **kw): return ['good'] * len(completions)\n", ValueError,
+     "could not convert string to float: 'good'", False),
+    # a function that cannot take the call's arguments: Python's TypeError, with a note that names the function
+    ("def length_reward(prompts, completions): return [1.0] * len(completions)\n", TypeError,
+     "got an unexpected keyword argument 'completion_ids'", True),
+])
+def test_a_reward_file_that_loads_but_cannot_score_raises_pythons_own_error(tmp_path, model_dir, capsys, content,
+                                                                           error, words, note):
+    (tmp_path / "r.py").write_text(content)
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    with pytest.raises(error, match=words) as e:
+        tg.cli(REAL + ["--model_name_or_path", model_dir, "--dataset", data, "--max_steps", "1",
+                       "--reward_funcs", f"{tmp_path / 'r.py'}:length_reward", "--save_dir", str(tmp_path / "run")])
+    if note:   # the first call, at step 1: 2 prompts x 2 completions (REAL)
+        assert e.value.__notes__ == ["in reward function length_reward, called by train_grpo.py on 4 samples"]
+    assert "error:" not in capsys.readouterr().err
+
+
+def wandb_records(run_file):
+    """The protobuf Records of an offline wandb run file (a LevelDB-style log), in order."""
     from wandb.proto.wandb_internal_pb2 import Record
-    data, pos, pending, rows = open(run_file, "rb").read(), 7, b"", []
+    data, pos, pending, records = open(run_file, "rb").read(), 7, b"", []
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:                                              # block trailer: zero padding
@@ -140,9 +158,14 @@ def wandb_history(run_file):
             record = Record()
             record.ParseFromString(pending)
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
+            records.append(record)
+    return records
+
+
+def wandb_history(run_file):
+    """The 'history' records of an offline wandb run file: {key: value} each."""
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            for record in wandb_records(run_file) if record.WhichOneof("record_type") == "history"]
 
 
 def wandb_rewards(run_file, steps, timeout=60):
@@ -195,33 +218,50 @@ def test_missing_report_package_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_summary_line_and_eval_size_caps_a_test_split(tmp_path, model_dir, capsys, monkeypatch):
+    """The run's last line gives the held-out score at the first eval, at its best and at the last, with their
+    steps, and where the model is. --eval_size takes 5 rows of a hub dataset's own test split."""
     import datasets
     rows = [json.loads(l) for l in open(os.path.join(os.path.dirname(__file__), "data", "gsm8k_sample.jsonl"))]
     split = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:24]),
                                   "test": datasets.Dataset.from_list(rows[8:])})   # a hub dataset's two splits
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: split)
-    scored = []
+    scored, evals_done = [], [0]
     real, real_eval, evaluating = tg.gsm8k_correct_reward, tg.evaluate, []
 
-    def evaluate(*a, **k):   # the held-out score is the correctness reward, called in evaluate
+    def evaluate(*a, **k):   # the held-out rows are scored by the rewards, called in evaluate
         evaluating.append(1)
         try:
             return real_eval(*a, **k)
         finally:
             evaluating.pop()
+            evals_done[0] += 1
     monkeypatch.setattr(tg, "evaluate", evaluate)
-    monkeypatch.setattr(tg, "gsm8k_correct_reward",   # TRL's batched form
-                        lambda completions, answer, **kw: (evaluating and scored.extend(answer))
-                        or real(completions, answer, **kw))
+
+    def gsm8k_correct_reward(completions, answer, **kw):   # TRL's batched form, under the real one's name
+        if evaluating:
+            scored.extend(answer)
+        return real(completions, answer, **kw)
+
+    def gsm8k_format_reward(completions, **kw):
+        # at the evals of steps 0, 1 and 2: 0.0, 0.5 and 0.25 each row, so that the first, best and last differ
+        return [[0.0, 0.5, 0.25][evals_done[0]] if evaluating else 0.0 for _ in completions]
+    monkeypatch.setattr(tg, "gsm8k_correct_reward", gsm8k_correct_reward)
+    monkeypatch.setattr(tg, "gsm8k_format_reward", gsm8k_format_reward)
     tg.main(REAL + ["--model_name_or_path", model_dir, "--dataset", "someone/gsm8k-like", "--max_steps", "2",
-                    "--eval_interval", "2", "--eval_size", "5", "--save_dir", str(tmp_path)])
-    assert len(scored) == 2 * 5                                   # before and after, 5 of the 24 test problems
+                    "--reward_funcs", "gsm8k_correct_reward,gsm8k_format_reward",
+                    "--eval_interval", "1", "--eval_size", "5", "--save_dir", str(tmp_path)])
+    assert len(scored) == 3 * 5                                   # steps 0, 1 and 2, 5 of the 24 test problems
     out = capsys.readouterr().out
-    evals = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if "eval_accuracy" in l]
+    evals = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if "eval_reward" in l]
+    assert [e["step"] for e in evals] == [0, 1, 2]
+    # your rewards, weight 1 each: the score is each row's correctness (0 for this untrained model) + format
+    score = [e["eval_reward"] for e in evals]
+    assert score == [0.0, 0.5, 0.25]
     line = [l for l in out.splitlines() if l.startswith("done:")]
-    assert line == [f"done: step 2 of 2 in {line[0].split(' in ')[1].split(' s;')[0]} s; held-out eval_accuracy "
-                    f"{evals[0]['eval_accuracy']:.3f} (step 0) -> {evals[-1]['eval_accuracy']:.3f} (step 2); "
+    assert line == [f"done: step 2 of 2 in {line[0].split(' in ')[1].split(' s;')[0]} s; held-out eval_reward "
+                    f"{score[0]:.3f} (step 0), best {score[1]:.3f} (step 1), last {score[2]:.3f} (step 2); "
                     f"model: {tmp_path / 'final'}"]
+    assert line[0].split(" in ")[1].split(" s;")[0].isdigit()
 
 
 def test_a_dataset_column_may_be_named_like_the_callers_own_argument():
@@ -230,9 +270,11 @@ def test_a_dataset_column_may_be_named_like_the_callers_own_argument():
         return [float(x) for x in fn]
     rows = [{"prompt": "p", "answer": "a", "fn": 2}]
     assert rewards_of_functions([batched], [1.0], ["p"], ["c"], [[1]], rows).tolist() == [2.0]
-    # ... but a column named like one of TRL's own arguments is an error naming it, as in TRL (never overwritten)
-    with pytest.raises(tg.TrainerError, match="multiple values for keyword argument 'prompts'"):
+    # ... but a column named like one of TRL's own arguments is Python's TypeError naming it, as in TRL (never
+    # overwritten), with a note naming the function
+    with pytest.raises(TypeError, match="multiple values for keyword argument 'prompts'") as e:
         rewards_of_functions([batched], [1.0], ["p"], ["c"], [[1]], [{"prompt": "p", "prompts": "x", "fn": 1}])
+    assert e.value.__notes__ == ["in reward function batched, called by train_grpo.py on 1 samples"]
 
 
 

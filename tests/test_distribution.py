@@ -9,7 +9,7 @@ import torch
 
 import helpers
 from helpers import FAST, dist_suite, tg, tiny
-from test_real_path import REAL, SAMPLE, load_final, save_tiny
+from test_real_path import GSM8K_REWARDS, REAL, SAMPLE, load_final, save_tiny
 
 
 def rollout_with_scores(model, tok, generation_config, temperature, do_sample=True, seed=0, prompts=None,
@@ -123,8 +123,8 @@ def test_kl_is_zero_before_the_first_update_with_dropout_in_the_config(tmp_path)
     config = AutoConfig.from_pretrained(model_dir)
     config.attention_dropout = 0.5
     config.save_pretrained(model_dir)
-    tg.main(REAL + ["--model_name_or_path", str(model_dir), "--dataset", SAMPLE, "--max_steps", "1", "--beta", "0.04",
-                    "--num_iterations", "2", "--save_dir", str(tmp_path / "run")])
+    tg.main(REAL + ["--model_name_or_path", str(model_dir), "--dataset", SAMPLE, *GSM8K_REWARDS, "--max_steps", "1",
+                    "--beta", "0.04", "--num_iterations", "2", "--save_dir", str(tmp_path / "run")])
     row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     # the reference is the policy before step 1, old = the policy that sampled: without dropout the first
     # update's KL is exactly 0; dropout on in the policy forward made it 3.65e-2 on the built-in model
@@ -206,7 +206,8 @@ def test_truncated_completions_are_rewarded_on_their_text_and_every_metric_cover
 
 def test_saved_moe_checkpoint_resumes(tmp_path):
     moe_dir = save_tiny(tmp_path / "moe", moe=True)
-    common = [*REAL, "--model_name_or_path", str(moe_dir), "--dataset", SAMPLE, "--use_moe", "1", "--max_steps", "2"]
+    common = [*REAL, "--model_name_or_path", str(moe_dir), "--dataset", SAMPLE, *GSM8K_REWARDS, "--use_moe", "1",
+              "--max_steps", "2"]
     assert tg.main([*common, "--save_dir", str(tmp_path / "a")])["step"] == 2
     assert tg.main([*common, "--stop_after", "1", "--save_dir", str(tmp_path / "b")])["step"] == 1
     assert tg.main([*common, "--resume", "auto", "--save_dir", str(tmp_path / "b")])["step"] == 2

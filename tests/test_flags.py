@@ -9,6 +9,8 @@ from helpers import ROOT, run_clis, tg
 from test_real_path import one_thread  # noqa: F401  (an autouse fixture)
 
 SAMPLE = os.path.join(ROOT, "tests", "data", "gsm8k_sample.jsonl")
+# a file of GSM8K's rows is no built-in task: its rewards are named, so that the model's own problem is the one left
+GSM8K = [SAMPLE, "--reward_funcs", "gsm8k_correct_reward,gsm8k_format_reward"]
 
 
 def model_dir_without_weights(tmp_path):
@@ -68,14 +70,15 @@ BAD = [
     pytest.param(["--device", "cuda"], "--device cuda",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")),
     (["--loss_type", "ppo"], "--loss_type"),
-    (["--model_name_or_path", model_dir_without_weights, "--dataset", SAMPLE], "no file named model.safetensors"),
-    (["--model_name_or_path", "./no/such/model", "--dataset", SAMPLE], "no such folder"),
-    (["--model_name_or_path", model_dir_with_broken_weights, "--dataset", SAMPLE], "--model_name_or_path"),
+    (["--model_name_or_path", model_dir_without_weights, "--dataset", *GSM8K], "no file named model.safetensors"),
+    (["--model_name_or_path", "./no/such/model", "--dataset", *GSM8K], "no such folder"),
+    (["--model_name_or_path", model_dir_with_broken_weights, "--dataset", *GSM8K], "--model_name_or_path"),
     (["--model_name_or_path", model_dir_without_weights], "--dataset"),
     (["--model_name_or_path", model_dir_without_weights, "--dataset", a_directory], "is a folder"),
     (["--model_name_or_path", model_dir_without_weights, "--dataset", "missing.jsonl"], "Unable to find"),
-    (["--model_name_or_path", a_directory, "--dataset", SAMPLE], "no config.json"),
-    (["--model_name_or_path", "missing.gguf", "--dataset", SAMPLE], "missing.gguf: no such file"),
+    (["--model_name_or_path", a_directory, "--dataset", *GSM8K], "no config.json"),
+    (["--model_name_or_path", "missing.gguf", "--dataset", *GSM8K], "missing.gguf: no such file"),
+    (["--model_name_or_path", model_dir_without_weights, "--dataset", SAMPLE], "--reward_funcs"),
     (["--save_dir", a_file], "--save_dir"),
     (["--resume", "no/such/checkpoint"], "--resume"),
     (["--reward_funcs", "no_such_rewards.py:f"], "--reward_funcs"),
@@ -123,13 +126,17 @@ def test_a_real_model_starts_from_real_sizes_a_task_from_its_own_and_a_typed_fla
     sizes = lambda a: dict(batch_size=a.batch_size, micro_batch_size=a.micro_batch_size, max_prompt_len=a.max_prompt_len,
                            max_gen_len=a.max_gen_len, learning_rate=a.learning_rate, max_steps=a.max_steps,
                            eval_interval=a.eval_interval, eval_size=a.eval_size,
-                           gradient_checkpointing=a.gradient_checkpointing, num_generations=a.num_generations)
+                           gradient_checkpointing=a.gradient_checkpointing, num_generations=a.num_generations,
+                           save_interval=a.save_interval, save_total_limit=a.save_total_limit)
     toy = sizes(tg.parse_args([]))
     assert toy == dict(batch_size=16, micro_batch_size=0, max_prompt_len=256, max_gen_len=8, learning_rate=2e-4,
-                       max_steps=200, eval_interval=50, eval_size=256, gradient_checkpointing=0, num_generations=8)
-    # the README's real-model defaults, by hand; what they do not name keeps Args' default
+                       max_steps=200, eval_interval=50, eval_size=256, gradient_checkpointing=0, num_generations=8,
+                       save_interval=0, save_total_limit=0)
+    # the README's real-model defaults, by hand; what they do not name keeps Args' default. A real run saves every
+    # 50 steps and keeps the newest 2, so that a kill costs at most 50 steps
     real = dict(toy, batch_size=8, micro_batch_size=8, max_prompt_len=512, max_gen_len=512, learning_rate=1e-6,
-                max_steps=500, eval_interval=50, gradient_checkpointing=0)  # on a GPU 1: see test_runs
+                max_steps=500, eval_interval=50, gradient_checkpointing=0,  # on a GPU 1: see test_runs
+                save_interval=50, save_total_limit=2)
     for dataset in ("gsm8k", SAMPLE):                       # a hub name or a .jsonl of your own
         assert sizes(tg.parse_args(["--model_name_or_path", "X", "--dataset", dataset])) == real, dataset
     compare = dict(real, batch_size=4, max_gen_len=8, max_prompt_len=128, learning_rate=2e-5, max_steps=40,
@@ -141,3 +148,5 @@ def test_a_real_model_starts_from_real_sizes_a_task_from_its_own_and_a_typed_fla
         compare, max_steps=7, learning_rate=3e-4, micro_batch_size=2, gradient_checkpointing=1)
     assert sizes(tg.parse_args(["--model_name_or_path", "X", "--dataset", "gsm8k", "--max_gen_len", "64",
                                 "--batch_size", "2"])) == dict(real, max_gen_len=64, batch_size=2)
+    assert sizes(tg.parse_args(["--model_name_or_path", "X", "--dataset", "gsm8k", "--save_interval", "0",
+                                "--save_total_limit", "0"])) == dict(real, save_interval=0, save_total_limit=0)

@@ -79,7 +79,7 @@ def test_final_is_the_last_checkpoints_weights_without_the_trainer_state(tmp_pat
     # stops and leaves that run as it was; into a folder of its own it trains nothing, and final/ is its files
     other = tg.main(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path / "b"), "--seed", "1"])["model"]
     assert not torch.equal(other.state_dict()["lm_head.weight"], trained["lm_head.weight"])
-    with pytest.raises(tg.TrainerError, match="holds the checkpoints of an earlier run"):
+    with pytest.raises(tg.TrainerError, match="holds an earlier run: continue it with --resume auto, or give another"):
         tg.main(FAST + ["--max_steps", "2", "--save_dir", str(tmp_path / "b"), "--resume", str(ckpt)])
     weights = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "final").state_dict()
     assert all(torch.equal(weights[k], other.state_dict()[k]) for k in trained)

@@ -6,7 +6,6 @@ import os
 import shutil
 import string
 import tempfile
-from fractions import Fraction
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 REAL = ["--batch_size", "2", "--num_generations", "2", "--max_gen_len", "8", "--max_prompt_len", "400",
         "--eval_size", "4", "--eval_interval", "0"]
+# A file of GSM8K's rows is not the built-in task (--dataset gsm8k is): its rewards are named, as a user names them.
+GSM8K_REWARDS = ["--reward_funcs", "gsm8k_correct_reward,gsm8k_format_reward"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -85,8 +86,8 @@ def two_rank_runs():
         out = tempfile.mkdtemp(prefix="two_ranks_")
         atexit.register(shutil.rmtree, out, ignore_errors=True)
         dense = save_tiny(os.path.join(out, "dense"))
-        jobs = [("main", [*REAL, "--model_name_or_path", dense, "--dataset", SAMPLE, "--max_steps", "2",
-                          "--save_dir", os.path.join(out, "gsm8k")], None),
+        jobs = [("main", [*REAL, "--model_name_or_path", dense, "--dataset", SAMPLE, *GSM8K_REWARDS, "--max_steps",
+                          "2", "--save_dir", os.path.join(out, "gsm8k")], None),
                 ("main", [*BF16_KL, "--save_dir", os.path.join(out, "bf16_kl")], None),
                 ("eval_uneven", (), None)]
         for dtype, moe in RESUME_2_RANKS:
@@ -107,29 +108,36 @@ def two_rank_runs():
 
 
 # ---- GSM8K answers ----
+# lm-eval-harness's strict match, worked by hand: the completion's first '#### N' (N of -, digits, '.' and ','),
+# else "[invalid]"; then in it and in the reference: ',' and '$' go, everything up to the last '#### ', and a final
+# '.'; the two strings, lowercased, must be equal.
 @pytest.mark.parametrize("completion, reference, correct", [
     ("so the total is 14.\n#### 14", "worked...\n#### 14", True),
-    ("#### 1,250", "#### 1250", True),
-    ("#### $45.00", "#### 45", True),
-    ("#### 45.0", "#### 45", True),
-    ("#### 45.", "#### 45", True),
+    ("#### 1,250", "#### 1250", True),                  # '1250' = '1250'
+    ("#### 1,234", "1234", True),
+    ("#### $45.00", "#### 45", False),                  # '$' is not in N: no match, "[invalid]"
+    ("#### $18", "#### 18", False),
+    ("#### 45.0", "#### 45", False),                    # '45.0' != '45': strings, not numbers
+    ("#### 45.", "#### 45", True),                      # the final '.' goes
+    ("#### 72.", "72", True),
+    ("####72", "#### 72", False),                       # the space after '####' is part of the tag
     ("It dropped to -7 degrees.\n#### -7", "#### -7", True),
     ("#### 7", "#### -7", False),
     ("#### -7", "#### 7", False),
-    ("first 12 then 30, finally 42", "#### 42", False),   # strict: without '####' no number counts
+    ("first 12 then 30, finally 42", "#### 42", False),   # strict: without '#### ' no number counts
     ("The answer is $1,250.", "#### 1250", False),
     ("\\boxed{12.5}", "#### 12.5", False),
     ("#### 42\nbut maybe 17", "#### 42", True),          # a tagged answer beats a later number
     ("#### 17\nno, #### 42", "#### 17", True),           # the first tag counts, as lm-eval's strict match
-    ("#### 12.50", "#### 12.5", True),
-    ("#### 0.1", "#### 0.10", True),
+    ("#### 12.50", "#### 12.5", False),                  # '12.50' != '12.5'
+    ("#### 0.1", "#### 0.10", False),                    # '0.1' != '0.10'
     ("no number here", "#### 3", False),
     ("", "#### 3", False),
-    ("#### 3/4", "#### 3", True),                        # '3/4': the tag takes the 3; the reference is 3
-    ("#### 1e9", "#### 1", True),                        # no scientific notation: the number is 1
+    ("#### 3/4", "#### 3", True),                        # N stops at '/': '3'
+    ("#### 1e9", "#### 1", True),                        # N stops at 'e': '1'
     ("#### 2,400", "2400", True),                        # a bare reference number
-    ("#### 10", "#### 10\n", True),
-    ("__import__('os').system('echo pwned')\n#### 5", "#### 5", True),  # model text is parsed, never evaluated
+    ("#### 10", "#### 10\n", False),                     # '10' != '10\n': the reference is not stripped
+    ("__import__('os').system('echo pwned')\n#### 5", "#### 5", True),  # model text is matched, never evaluated
     ("#### __import__('os').system('echo pwned')", "#### 0", False),
 ])
 def test_gsm8k_correctness(completion, reference, correct):
@@ -139,18 +147,22 @@ def test_gsm8k_correctness(completion, reference, correct):
         float(correct)]
 
 
-def test_gsm8k_number_parsing_and_format_reward():
-    assert tg.parse_number("$1,234.50") == Fraction(2469, 2)
-    assert tg.parse_number("-0.25") == Fraction(-1, 4)
-    assert tg.parse_number("abc") is None
-    assert tg.gsm8k_format_reward(["work\n#### 12", "#### 12 and then more words"], answer=["#### 12"] * 2) == [
-        1.0, 0.0]
-    # a final period, as the correctness reward accepts it: '#### 7.' is right and well formed
-    assert tg.gsm8k_format_reward(["so\n#### 7.", "so\n#### 7.."]) == [1.0, 0.0]
-    assert tg.gsm8k_correct_reward(["so\n#### 7."], answer=["#### 7"]) == [1.0]
-    # every shipped sample's reference parses
+def test_gsm8k_format_reward_is_a_final_strict_match_and_every_shipped_answer_scores_itself():
+    # 1.0 iff the completion ends, whitespace aside, with '#### N' as the strict match reads it
+    completions = ["work\n#### 12", "#### 12 and then more words", "so\n#### 7.", "so\n#### 7..", "#### 1,234\n  ",
+                   "####12", "#### $18", "#### -3", "", "12"]
+    assert tg.gsm8k_format_reward(completions, answer=["#### 12"] * len(completions)) == [
+        1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    # '#### 7.' is right and well formed; '#### 7..' is well formed, but its N '7.' is not 7
+    assert tg.gsm8k_correct_reward(["so\n#### 7.", "so\n#### 7.."], answer=["#### 7"] * 2) == [1.0, 0.0]
+    # every shipped sample's worked answer, as a completion, is well formed and right, and so is its bare N
     rows = [json.loads(l) for l in open(SAMPLE)]
-    assert len(rows) >= 30 and all(tg.gsm8k_reference(r["answer"]) is not None for r in rows)
+    answers = [r["answer"] for r in rows]
+    assert len(rows) >= 30 and all(a.count("#### ") == 1 for a in answers)
+    assert tg.gsm8k_format_reward(answers) == [1.0] * len(rows)
+    assert tg.gsm8k_correct_reward(answers, answer=answers) == [1.0] * len(rows)
+    bare = ["#### " + a.split("#### ")[1] for a in answers]
+    assert tg.gsm8k_correct_reward(bare, answer=answers) == [1.0] * len(rows)
 
 
 # ---- the hub path on local things ----
@@ -166,8 +178,8 @@ def test_two_rank_run_on_saved_model_and_gsm8k_file():
 
 def test_moe_checkpoint_and_bf16(tmp_path):
     moe_dir = save_tiny(tmp_path / "moe", moe=True)
-    tg.main([*REAL, "--model_name_or_path", moe_dir, "--dataset", SAMPLE, "--max_steps", "1", "--use_moe", "1",
-             "--dtype", "bfloat16", "--save_dir", str(tmp_path / "run")])
+    tg.main([*REAL, "--model_name_or_path", moe_dir, "--dataset", SAMPLE, *GSM8K_REWARDS, "--max_steps", "1",
+             "--use_moe", "1", "--dtype", "bfloat16", "--save_dir", str(tmp_path / "run")])
     row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     assert math.isfinite(row["aux_loss"]) and row["aux_loss"] > 0
 
@@ -177,8 +189,8 @@ def test_parquet_file_with_gsm8k_columns(tmp_path, dense_dir):
     rows = [json.loads(l) for l in open(SAMPLE)]
     datasets.Dataset.from_dict({"question": [r["question"] for r in rows], "answer": [r["answer"] for r in rows]}
                                ).to_parquet(str(tmp_path / "data.parquet"))
-    tg.main([*REAL, "--model_name_or_path", dense_dir, "--dataset", str(tmp_path / "data.parquet"), "--max_steps",
-             "1", "--save_dir", str(tmp_path / "run")])
+    tg.main([*REAL, "--model_name_or_path", dense_dir, "--dataset", str(tmp_path / "data.parquet"), *GSM8K_REWARDS,
+             "--max_steps", "1", "--save_dir", str(tmp_path / "run")])
     assert [json.loads(l)["step"] for l in open(tmp_path / "run" / "metrics.jsonl")] == [1]
 
 
@@ -192,7 +204,7 @@ def test_unreachable_hub_dataset_is_one_line(tmp_path, dense_dir):
 def test_use_moe_with_dense_checkpoint_is_one_line(tmp_path, dense_dir, capsys):
     from test_cli import in_process, one_line_error
     line = one_line_error(in_process(capsys, *REAL, "--model_name_or_path", dense_dir, "--dataset", SAMPLE,
-                                     "--use_moe", "1", "--save_dir", tmp_path))
+                                     *GSM8K_REWARDS, "--use_moe", "1", "--save_dir", tmp_path))
     assert "dense" in line
 
 
@@ -323,12 +335,13 @@ def test_resume_from_a_final_directory_is_one_line(tmp_path, capsys):
     tg.main([*FAST, "--max_steps", "1", "--save_dir", str(tmp_path)])
     line = one_line_error(in_process(capsys, *FAST, "--max_steps", "2", "--resume", tmp_path / "final",
                                      "--save_dir", tmp_path / "b"))
-    assert "is not a checkpoint this train_grpo.py can continue" in line and "trainer_state.pt" in line
+    assert "is not a run this train_grpo.py can continue" in line and "trainer_state.pt" in line
 
 
 # ---- failures inside the loop ----
-def test_your_reward_that_raises_shows_its_traceback_under_a_line_naming_it_and_the_step(tmp_path):
-    """A reward is your code: the line names it and the step, and the traceback reaches your file's line."""
+def test_your_reward_that_raises_is_pythons_traceback_to_your_line_with_a_note_naming_it(tmp_path):
+    """A reward is your code: its error is Python's own, exit status 1 and the traceback down to your file's line,
+    and a note under the error names the function and the samples it was called on."""
     (tmp_path / "mine.py").write_text("CALLS = []\n"
                                       "\n"
                                       "\n"
@@ -341,32 +354,35 @@ def test_your_reward_that_raises_shows_its_traceback_under_a_line_naming_it_and_
                   "--save_dir", tmp_path / "run")
     assert res.returncode == 1
     lines = res.stderr.splitlines()
-    first = [i for i, l in enumerate(lines) if l.startswith("error:")]
-    assert len(first) == 1 and lines[first[0]] == "error: reward boom raised on 16 samples at step 2; its traceback:"
-    after = "\n".join(lines[first[0] + 1:])
-    assert after.startswith("Traceback") and f'File "{tmp_path / "mine.py"}", line 7, in boom' in after
-    assert after.rstrip().endswith("ValueError: no score")
+    first = [i for i, l in enumerate(lines) if l.startswith("Traceback (most recent call last):")]
+    assert len(first) == 1 and not [l for l in lines if l.startswith("error:")], res.stderr[-3000:]
+    after = "\n".join(lines[first[0]:])
+    assert f'File "{tmp_path / "mine.py"}", line 7, in boom' in after
+    # the step's 4 prompts x 4 completions (FAST); the error line, then its note
+    assert lines[-2:] == ["ValueError: no score", "in reward function boom, called by train_grpo.py on 16 samples"]
+    # it raised at the second call, step 2: step 1 is logged, and no step after it
+    assert [json.loads(l)["step"] for l in open(tmp_path / "run" / "metrics.jsonl")] == [1]
 
 
-def test_reward_that_is_not_a_finite_number_names_the_function_and_sample(tmp_path, monkeypatch):
-    for bad_value, shown in ((float("nan"), "nan for sample 2, not a finite number"),
-                             (float("inf"), "inf for sample 2, not a finite number"),
-                             ("0.5", "'0.5' for sample 2, not a number"),
-                             (bytearray(b"1"), r"bytearray\(b'1'\) for sample 2, not a number"),
-                             (memoryview(b"0.5"), r"<memory at 0x[0-9a-f]+> for sample 2, not a number"),
-                             # an int too large for a float: float() raises OverflowError
-                             (10**400, "1000000000000000000000000000000000000000 for sample 2, not a number"),
-                             # a tensor of two values has __float__, but float() of it raises
-                             (torch.tensor([1.0, 2.0]), r"tensor\(\[1\., 2\.\]\) for sample 2, not a number"),
-                             # None: "does not apply" (TRL's meaning); the only reward, so nothing scores it
-                             (None, None)):
+def test_a_reward_not_finite_names_the_function_and_sample_and_one_float_cannot_read_is_floats_error(tmp_path,
+                                                                                                      monkeypatch):
+    """NaN and infinity stop the run in one line naming the function and the sample; a value float() cannot read
+    stops it with float()'s own error; None means "does not apply" (TRL's meaning)."""
+    for n, (bad_value, error, shown) in enumerate((
+            (float("nan"), tg.TrainerError, "^reward bad returned nan for sample 2, not a finite number$"),
+            (float("inf"), tg.TrainerError, "^reward bad returned inf for sample 2, not a finite number$"),
+            # float() of a text that is no number, of a list, of an int too large for a float, of 2 values
+            ("good", ValueError, "^could not convert string to float: 'good'"),
+            ([0.5], TypeError, "^float\\(\\) argument must be a string or a real number, not 'list'"),
+            (10**400, OverflowError, "^int too large to convert to float"),
+            (torch.tensor([1.0, 2.0]), ValueError, "^only one element tensors can be converted to Python scalars"),
+            # None: the only reward, so nothing scores sample 2
+            (None, tg.TrainerError, "^every reward function returned None for sample 2 "))):
         def bad(completions, answer, **kwargs):
             return [0.5, 0.5, bad_value] + [0.5] * (len(completions) - 3)   # the third sample is bad
         monkeypatch.setattr(tg, "reverse_reward", bad)
-        error = (rf"^reward bad returned {shown}" if shown else
-                 r"^every reward function returned None for sample 2 ")
-        with pytest.raises(tg.TrainerError, match=error):
-            tg.main(FAST + ["--max_steps", "1", "--save_dir", str(tmp_path)])
+        with pytest.raises(error, match=shown):
+            tg.main(FAST + ["--max_steps", "1", "--save_dir", str(tmp_path / f"run{n}")])   # a fresh start each
 
 
 def test_non_finite_steps_are_skipped_and_counted(tmp_path, monkeypatch):

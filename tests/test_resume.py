@@ -1,6 +1,7 @@
 """A resume continues exactly the history it started, or stops in one line that says why and what to type: another
-number of processes, a --max_steps below the checkpoint's step. A resume from an older checkpoint sets the later
-history aside. --micro_batch_size may change at a resume. --save_total_limit keeps the newest checkpoints."""
+number of processes, a --max_steps below the checkpoint's step, an older checkpoint in a folder that holds a later
+one (a branch from it goes into a new folder). --micro_batch_size may change at a resume. --save_total_limit keeps
+the newest checkpoints."""
 import json
 import os
 import shutil
@@ -52,22 +53,34 @@ def test_a_max_steps_below_the_checkpoints_step_stops_and_changes_nothing(tmp_pa
     assert open(tmp_path / "args.json").read() == flags and not (tmp_path / "final").exists()
 
 
-def test_a_resume_from_an_older_checkpoint_sets_the_later_history_aside(tmp_path):
-    """Checkpoints 2 and 4, then a resume from 2 that stops after 3, then --resume auto: the run goes on from 3,
-    never from the 4 it left, and ends as the run that never stopped. The 4 and the old log are kept aside."""
-    straight, b = tmp_path / "straight", tmp_path / "b"
+def files(folder):
+    """Every file under folder, by its path there: its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_from_an_older_checkpoint_stops_in_its_folder_and_branches_into_a_new_one(tmp_path, capsys):
+    """Checkpoints 2 and 4 in b/: a resume from 2 there would start a second history in b/, so it stops in one line
+    that names the later checkpoint and both ways on, and changes nothing. The branch from 2 into c/, stopped after
+    3 and continued with --resume auto, is the run that never stopped: its steps 3 to 5 and its final weights."""
+    straight, b, c = tmp_path / "straight", tmp_path / "b", tmp_path / "c"
     tg.main([*SHORT, "--save_dir", str(straight)])
     tg.main([*SHORT, "--save_interval", "2", "--stop_after", "4", "--save_dir", str(b)])
-    old_log = open(b / "metrics.jsonl").read()
-    old_completions = open(b / "completions.jsonl").read()
-    tg.main(["--resume", str(b / "checkpoint-2"), "--stop_after", "3"])
-    tg.main(["--resume", "auto", "--save_dir", str(b)])
-    assert [r["step"] for r in metrics(b)] == [1, 2, 3, 4, 5]
-    assert computed(metrics(b)) == computed(metrics(straight))
-    assert same_weights(b / "final", straight / "final")
-    assert sorted(os.listdir(b / "abandoned-1")) == ["checkpoint-4", "completions.jsonl", "metrics.jsonl"]
-    assert open(b / "abandoned-1" / "metrics.jsonl").read() == old_log
-    assert open(b / "abandoned-1" / "completions.jsonl").read() == old_completions
+    before = files(b)
+    assert {"args.json", "metrics.jsonl", "completions.jsonl", "checkpoint-2/model.safetensors",
+            "checkpoint-4/model.safetensors"} <= set(before)
+    res = in_process(capsys, "--resume", b / "checkpoint-2", "--stop_after", "3")
+    assert res.returncode == 2                                          # the argument parser's exit
+    line = one_line_error(res)
+    assert line == (f"error: --resume {b / 'checkpoint-2'}: {b / 'checkpoint-4'} is later; continue with --resume "
+                    f"auto, or branch from it into a new folder with --resume {b / 'checkpoint-2'} --save_dir NEW")
+    assert files(b) == before
+    tg.main(["--resume", str(b / "checkpoint-2"), "--stop_after", "3", "--save_dir", str(c)])
+    assert sorted(p.name for p in c.glob("checkpoint-*")) == ["checkpoint-3"] and not (c / "final").exists()
+    tg.main(["--resume", "auto", "--save_dir", str(c)])
+    assert [r["step"] for r in metrics(c)] == [3, 4, 5]                 # the branch logs its own steps
+    assert computed(metrics(c)) == computed(metrics(straight))[2:]
+    assert same_weights(c / "final", straight / "final")
+    assert files(b) == before                                           # the branch left b/ as it was
 
 
 def test_micro_batch_size_may_change_at_a_resume_and_its_step_agrees_to_rounding(tmp_path, capsys, monkeypatch):
@@ -164,16 +177,6 @@ def test_a_stop_after_not_after_the_checkpoints_step_stops_in_one_line(tmp_path,
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
 
 
-def test_an_abandoned_history_takes_its_wandb_run_with_it(tmp_path):
-    """wandb drops a step it has already seen, so the new history must log to a new wandb run."""
-    for step in (2, 4):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-    (tmp_path / "wandb_run_id").write_text("abcd1234")
-    tg.set_aside_later_steps(str(tmp_path), 2, [])
-    assert sorted(p.name for p in (tmp_path / "abandoned-1").iterdir()) == ["checkpoint-4", "wandb_run_id"]
-    assert not (tmp_path / "wandb_run_id").exists()
-
-
 def test_a_checkpoint_whose_state_does_not_read_stops_in_one_line_before_any_work(tmp_path, capsys):
     """A checkpoint of another train_grpo.py (its TrainState named otherwise), or one missing a rank's RNG file:
     one line, and nothing written, where a traceback would come after the model had loaded."""
@@ -183,7 +186,7 @@ def test_a_checkpoint_whose_state_does_not_read_stops_in_one_line_before_any_wor
     state["c"] = state.pop("entropy_coef")                         # as an older file named it
     torch.save(state, ckpt / "trainer_state.pt")
     line = one_line_error(in_process(capsys, "--resume", ckpt, "--save_dir", tmp_path / "b"))
-    assert "is not a checkpoint this train_grpo.py can continue" in line and "'c'" in line
+    assert "is not a run this train_grpo.py can continue" in line and "'c'" in line
     state["entropy_coef"] = state.pop("c")
     torch.save(state, ckpt / "trainer_state.pt")
     os.replace(ckpt / "rng_state_0.pt", ckpt / "rng_state_1.pt")   # one file, but not rank 0's

@@ -93,23 +93,33 @@ def test_a_resume_redoes_the_warm_up_only_to_rebuild_the_reference(tmp_path, mon
 
 
 def test_the_built_in_model_runs_on_one_thread_unless_you_set_a_count(tmp_path, monkeypatch):
+    """main runs the built-in model on one thread unless OMP_NUM_THREADS is set, leaves a real model's count as the
+    caller's, and gives the caller its count back after, an error too."""
     seen = []
-    monkeypatch.setattr(tg, "train", lambda *a: seen.append(torch.get_num_threads()))
+
+    def train(*a):
+        seen.append(torch.get_num_threads())
+        if len(seen) == 4:
+            raise RuntimeError("killed")
+    monkeypatch.setattr(tg, "train", train)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     outside = torch.get_num_threads()
-    torch.set_num_threads(2)                                   # this module's fixture holds one; two is a default
-    before = torch.get_num_threads()
-    monkeypatch.setattr(tg, "THREADS_AT_IMPORT", before)      # as if nobody had set a count since the import
-    tg.main([*SHORT, "--save_dir", str(tmp_path)])
-    assert seen[-1] == 1 and torch.get_num_threads() == before  # one thread, and the caller's count back after
-    monkeypatch.setattr(tg, "THREADS_AT_IMPORT", before + 1)  # a count the caller set by torch.set_num_threads
-    tg.main([*SHORT, "--save_dir", str(tmp_path)])
-    assert seen[-1] == before
-    monkeypatch.setattr(tg, "THREADS_AT_IMPORT", before)
-    monkeypatch.setenv("OMP_NUM_THREADS", str(before))       # a count set in the environment
-    tg.main([*SHORT, "--save_dir", str(tmp_path)])
-    assert seen[-1] == before
-    torch.set_num_threads(outside)
+    try:
+        torch.set_num_threads(2)                               # this module's fixture holds one: the caller's two
+        tg.main([*SHORT, "--save_dir", str(tmp_path)])
+        assert seen[-1] == 1 and torch.get_num_threads() == 2   # one thread, and the caller's count back after
+        # a real model: the caller's count (train is a stand-in here, so nothing loads)
+        tg.main(["--model_name_or_path", "X", "--dataset", "gsm8k", "--save_dir", str(tmp_path)])
+        assert seen[-1] == 2 and torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")             # a count set in the environment
+        tg.main([*SHORT, "--save_dir", str(tmp_path)])
+        assert seen[-1] == 2 and torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        with pytest.raises(RuntimeError, match="killed"):
+            tg.main([*SHORT, "--save_dir", str(tmp_path)])
+        assert seen == [1, 2, 2, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(outside)
 
 
 def test_peak_memory_reads_ru_maxrss_in_the_units_of_the_platform(monkeypatch):
@@ -188,17 +198,26 @@ def test_moe_router_loss_weighs_each_micro_batch_by_its_share_of_the_rows():
 
 
 # ---- a dataset the built-in rewards cannot score ----
-def test_a_dataset_that_is_not_built_in_needs_your_rewards_unless_its_rows_are_gsm8ks(tmp_path):
+def test_a_dataset_that_is_not_built_in_needs_your_rewards_even_if_its_rows_are_gsm8ks(tmp_path):
+    """Only compare_numbers and gsm8k (and the reversal task) bring their rewards: any other dataset, a file of
+    GSM8K's own rows included, stops in one line once its file loads, naming GSM8K's rewards for you to give."""
+    from test_real_path import SAMPLE
     rows = [{"prompt": f"Name a colour #{i}", "answer": "red"} for i in range(40)]
     path = tmp_path / "colours.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = tg.parse_args(["--model_name_or_path", "X", "--dataset", str(path), "--eval_size", "4"])
-    with pytest.raises(tg.TrainerError, match="--reward_funcs"):
-        tg.load_task(args, 1)
-    from test_real_path import SAMPLE
-    gsm8k = tg.parse_args(["--model_name_or_path", "X", "--dataset", SAMPLE, "--batch_size", "2", "--eval_size", "4"])
-    fns = tg.load_task(gsm8k, 1)[2]
-    assert fns == [tg.gsm8k_correct_reward, tg.gsm8k_format_reward]
+    for dataset in (str(path), SAMPLE):
+        args = tg.parse_args(["--model_name_or_path", "X", "--dataset", dataset, "--batch_size", "2",
+                              "--eval_size", "4"])
+        with pytest.raises(tg.TrainerError) as e:
+            tg.load_task(args, 1)
+        assert str(e.value) == (f"--dataset {dataset} is not a built-in task: give its rewards with --reward_funcs "
+                                f"(GSM8K's are built in: gsm8k_correct_reward,gsm8k_format_reward)")
+    gsm8k = tg.parse_args(["--model_name_or_path", "X", "--dataset", SAMPLE, "--batch_size", "2", "--eval_size", "4",
+                           "--reward_funcs", "gsm8k_correct_reward,gsm8k_format_reward"])
+    *_, fns, weights, key = tg.load_task(gsm8k, 1)
+    # the functions you name, each of weight 1, and the held-out score is their weighted sum
+    assert fns == [tg.gsm8k_correct_reward, tg.gsm8k_format_reward] and weights == [1.0, 1.0]
+    assert key == "eval_reward"
     mine = tg.parse_args(["--model_name_or_path", "X", "--dataset", str(path), "--eval_size", "4",
                           "--reward_funcs", "gsm8k_format_reward"])
     assert tg.load_task(mine, 1)[2] == [tg.gsm8k_format_reward]
@@ -226,13 +245,14 @@ def test_a_cosine_run_keeps_its_length_at_a_resume_and_a_typed_minus_one_reads_a
 
 def test_a_resume_of_a_checkpoint_folder_continues_in_that_folder_never_in_another_runs(tmp_path, capsys):
     """--resume <checkpoint> without --save_dir goes on where the checkpoint lies; into a folder that holds another
-    run's checkpoints it stops, and changes nothing there."""
+    run it stops, and changes nothing there."""
     tg.main([*SHORT, "--seed", "5", "--save_interval", "1", "--save_dir", str(tmp_path / "other")])
     tg.main([*SHORT, "--stop_after", "2", "--save_dir", str(tmp_path / "a")])
     before = open(tmp_path / "other" / "metrics.jsonl").read()
     line = one_line_error(in_process(capsys, "--resume", tmp_path / "a" / "checkpoint-2",
                                      "--save_dir", tmp_path / "other"))
-    assert "holds the checkpoints of an earlier run" in line
+    assert line == (f"error: --save_dir {tmp_path / 'other'} holds an earlier run: continue it with --resume auto, "
+                    f"or give another --save_dir")
     assert open(tmp_path / "other" / "metrics.jsonl").read() == before
     tg.main(["--resume", str(tmp_path / "a" / "checkpoint-2")])
     assert [r["step"] for r in metrics(tmp_path / "a")] == [1, 2, 3, 4]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from helpers import FAST, tg, tiny
-from test_real_path import BF16_KL, REAL, one_thread, save_tiny, two_rank_runs  # noqa: F401  (one_thread: autouse)
+from test_real_path import (BF16_KL, GSM8K_REWARDS, REAL, one_thread, save_tiny,  # noqa: F401  (one_thread: autouse)
+                            two_rank_runs)
 
 
 # ---- 1. the reference computes what the policy computes ----
@@ -145,14 +146,33 @@ def test_generation_stops_and_the_mask_ends_on_every_declared_eos_id():
 
 
 # ---- 9. loggers after a resume ----
-def test_tensorboard_after_a_resume_holds_each_step_once_with_the_resumed_values(tmp_path):
+def test_tensorboard_after_a_resume_holds_each_step_once_with_the_resumed_values(tmp_path, monkeypatch):
+    """Killed after logging step 3, before its checkpoint, then resumed from step 2: TensorBoard drops the killed
+    run's step 3 (logged here 100 higher, as a history that differs) and holds each step once, as metrics.jsonl."""
     from tensorboard.backend.event_processing import event_accumulator
-    common = [*FAST, "--max_steps", "4", "--report_to", "tensorboard", "--run_name", "tb", "--save_dir",
-              str(tmp_path)]
-    tg.main(common + ["--save_interval", "2", "--stop_after", "3"])              # crashed after step 3
-    tg.main(common + ["--resume", str(tmp_path / "checkpoint-2")])             # back to the checkpoint of step 2
+    common = [*FAST, "--max_steps", "4", "--report_to", "tensorboard", "--run_name", "tb", "--save_interval", "2",
+              "--save_dir", str(tmp_path)]
+    real = tg.log_step
+
+    def killed_after_step_3(args, record, *a, **k):
+        if record["step"] == 3:
+            record = {**record, "reward": record["reward"] + 100}
+        real(args, record, *a, **k)
+        if record["step"] == 3:
+            raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(tg, "log_step", killed_after_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        tg.main(common)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard" / "tb"))
+    acc.Reload()
+    killed = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [e.step for e in acc.Scalars("reward")] == [r["step"] for r in killed] == [1, 2, 3]
+    assert acc.Scalars("reward")[2].value == pytest.approx(killed[2]["reward"], rel=1e-6) and killed[2]["reward"] > 99
+    tg.main(common + ["--resume", "auto"])                                 # from the checkpoint of step 2
     logged = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4] and logged[2]["reward"] < 99
     acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard" / "tb"))
     acc.Reload()
     events = acc.Scalars("reward")
@@ -160,17 +180,49 @@ def test_tensorboard_after_a_resume_holds_each_step_once_with_the_resumed_values
     assert [e.value for e in events] == pytest.approx([r["reward"] for r in logged], rel=1e-6)
 
 
-def test_wandb_resume_reopens_the_same_run(tmp_path, monkeypatch):
+def wandb_runs(save_dir, steps):
+    """Each offline wandb run in save_dir, oldest first: (its id, its group, the steps it logged). wandb's writer
+    may still be flushing a run file of this process: wait until the runs hold `steps` steps in all."""
     import glob
+    import time
+    from test_custom import wandb_records
+    deadline = time.time() + 60
+    while True:
+        runs = []
+        try:
+            for run_file in sorted(glob.glob(str(save_dir / "wandb" / "offline-run-*" / "run-*.wandb"))):
+                records = wandb_records(run_file)
+                (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+                logged = [json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "history"
+                          for i in r.history.item if (i.key or "/".join(i.nested_key)) == "_step"]
+                runs.append((run.run_id, run.run_group, logged))
+        except Exception:              # a record half written: read again, unless time is up
+            if time.time() > deadline:
+                raise
+            runs = []
+        if sum(len(logged) for *_, logged in runs) >= steps or time.time() > deadline:
+            return runs
+        time.sleep(0.2)
+
+
+def test_a_wandb_resume_is_a_new_run_of_the_group_unless_wandbs_own_variables_name_the_run(tmp_path, monkeypatch):
+    """A resumed run logs to a new wandb run in the run's group (the run name: --save_dir's folder), so wandb
+    drops no step it logged before; WANDB_RUN_ID and WANDB_RESUME=allow, set for both commands, reopen the run."""
+    from helpers import run_cli
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    common = [*FAST, "--max_steps", "3", "--report_to", "wandb", "--save_dir", str(tmp_path)]
-    tg.main([*common, "--stop_after", "2"])
-    tg.main([*common, "--resume", "auto"])
-    runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
-    # offline-run-<date>_<time>-<id>, and "-1" after it when both opened within one second
-    ids = [re.fullmatch(r"offline-run-\d{8}_\d{6}-(\w+?)(-\d+)?", r.rsplit("/", 1)[1]).group(1) for r in runs]
-    assert len(runs) == 2 and len(set(ids)) == 1 and len(ids[0]) == 8          # one run id, opened twice
+    common = [*FAST, "--max_steps", "2", "--report_to", "wandb"]
+    tg.main([*common, "--stop_after", "1", "--save_dir", str(tmp_path / "new")])
+    tg.main([*common, "--resume", "auto", "--save_dir", str(tmp_path / "new")])
+    (first, group1, steps1), (second, group2, steps2) = wandb_runs(tmp_path / "new", steps=2)
+    assert first != second and group1 == group2 == "new" and (steps1, steps2) == ([1], [2])
+    # wandb reads its variables as it starts, so each command is a process of its own, as a user's is
+    monkeypatch.setenv("WANDB_RUN_ID", "myrun123")
+    monkeypatch.setenv("WANDB_RESUME", "allow")
+    for flags in (["--stop_after", "1"], ["--resume", "auto"]):
+        res = run_cli(*common, *flags, "--save_dir", tmp_path / "same", timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert wandb_runs(tmp_path / "same", steps=2) == [("myrun123", "same", [1]), ("myrun123", "same", [2])]
 
 
 # ---- flags that cannot work together are refused before any work ----
@@ -287,8 +339,8 @@ def test_evaluation_without_held_out_prompts_is_refused_or_said(tmp_path, capsys
         for i in range(6):
             f.write(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n")
     tg.main([*REAL[:-2], "--eval_interval", "1", "--model_name_or_path", str(model_dir), "--dataset",
-             str(tmp_path / "six.jsonl"), "--max_steps", "1", "--save_dir", str(tmp_path / "run")])
+             str(tmp_path / "six.jsonl"), *GSM8K_REWARDS, "--max_steps", "1", "--save_dir", str(tmp_path / "run")])
     out = capsys.readouterr().out
     assert "0 held-out prompts" in out and "no held-out eval" in out
     rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [r for r in rows if "eval_accuracy" in r] == []
+    assert [r["step"] for r in rows] == [1] and not [k for k in rows[0] if k.startswith("eval")]

@@ -3,6 +3,7 @@ held-out completions on the console. Each number is checked against one computed
 import glob
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -137,17 +138,35 @@ def test_a_resumed_run_logs_no_step_twice_and_its_completions_are_the_straight_r
 def test_the_console_shows_held_out_completions_at_each_eval_escaped_and_cut(tmp_path, capsys):
     tg.main(FAST + ["--max_steps", "2", "--eval_interval", "2", "--num_completions_to_print", "2",
                     "--save_dir", str(tmp_path / "a")])
-    shown = [line for line in capsys.readouterr().out.splitlines() if "held-out '" in line]
+    out = capsys.readouterr().out.splitlines()
+    shown = [line for line in out if line.startswith("  step ") and " held-out " in line]
     evals = [c for c in lines(tmp_path / "a" / "completions.jsonl") if c["split"] == "eval"]
     assert len(shown) == 2 * 2                                                # 2 evals, 2 completions each
     for line, sample in zip(shown, [evals[0], evals[8], evals[16], evals[24]]):  # rows 0 and 8 of 16, each eval
+        # the reversal task's letters need no escape, and its texts are shorter than a cut: repr is the text in ''
+        assert set(sample["prompt"] + sample["completion"]) <= set("abcdefgh=")
+        assert len(sample["prompt"]) <= 40 and len(sample["completion"]) <= 60
         assert line == (f"  step {sample['step']} held-out '{sample['prompt']}' -> '{sample['completion']}', "
                         f"reward {sample['reward']:.3f}")
     tg.main(FAST + ["--max_steps", "1", "--eval_interval", "1", "--num_completions_to_print", "0",
                     "--save_dir", str(tmp_path / "b")])
-    assert "held-out '" not in capsys.readouterr().out
-    assert tg.printable("ok\x1b[2J\n" + "x" * 100, 20) == "'ok\\x1b[2J\\nxxxxxxxxx...'"
-    assert tg.printable("a question?", 5, tail=True) == "'...tion?'"
+    assert not [line for line in capsys.readouterr().out.splitlines() if " held-out '" in line]
+
+
+def test_console_text_is_python_repr_of_the_text_cut_to_its_limit():
+    """repr escapes what would garble the console (a control character, a newline, an invisible one) and picks
+    the quotes; a text over the limit keeps its first `limit` characters, or with tail its last, then marks the
+    cut with '...'. By hand:"""
+    assert tg.cut("ok") == "'ok'"
+    assert tg.cut("x" * 60) == "'" + "x" * 60 + "'"                            # at the limit: whole
+    assert tg.cut("x" * 61) == "'" + "x" * 60 + "'..."
+    assert tg.cut("ok\x1b[2J\n" + "x" * 100, 20) == "'ok\\x1b[2J\\nxxxxxxxxxxxxx'..."   # 7 characters, then 13 x
+    assert tg.cut("a question?", 5, tail=True) == "...'tion?'"
+    assert tg.cut("a question?", 11, tail=True) == "'a question?'"
+    assert tg.cut("it's", 60) == '"it\'s"'
+    assert tg.cut("a\u200bb\tc") == "'a\\u200bb\\tc'"                         # zero-width space, tab
+    assert tg.cut("café") == "'café'"                                          # printable: as it is
+    assert tg.cut("") == "''"
 
 
 def test_wandb_and_tensorboard_get_the_completions(tmp_path, monkeypatch):
@@ -176,16 +195,30 @@ def test_wandb_and_tensorboard_get_the_completions(tmp_path, monkeypatch):
         time.sleep(0.2)
     assert [h["_step"] for h in tables] == [1, 2]
     assert all(h["completions/_type"] == "table-file" and h["completions/nrows"] == 16 for h in tables)
+    # each table: a column per reward function, as TRL's, and completions.jsonl's rows of the step
+    logged = lines(tmp_path / "wb" / "completions.jsonl")
+    for h in tables:
+        table = json.load(open(os.path.join(os.path.dirname(run_file), "files", h["completions/path"])))
+        assert table["columns"] == ["step", "split", "prompt", "completion", "reverse_reward", "reward", "advantage"]
+        want = [[c["step"], c["split"], c["prompt"], c["completion"], c["rewards"]["reverse_reward"], c["reward"],
+                 c["advantage"]] for c in logged if c["step"] == h["_step"]]
+        assert table["data"] == want
 
 
-def test_two_reward_functions_of_one_name_are_logged_under_names_that_differ(tmp_path):
+def test_two_reward_functions_of_one_name_stop_in_one_line(tmp_path, capsys):
+    """Each function's name keys its metrics and its column: two of one name stop the run before any work."""
+    from test_cli import in_process, one_line_error
     (tmp_path / "a.py").write_text("def f(completions, **kw):\n    return [1.0 for c in completions]\n")
-    (tmp_path / "b.py").write_text("def f(completions, **kw):\n    return [2.0 for c in completions]\n")
-    res = run_cli(*FAST, "--max_steps", "1", "--reward_funcs", f"{tmp_path / 'a.py'}:f,{tmp_path / 'b.py'}:f",
-                  "--save_dir", tmp_path / "run", timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    (record,) = lines(tmp_path / "run" / "metrics.jsonl")
-    assert (record["rewards/f/mean"], record["rewards/f_2/mean"]) == (1.0, 2.0)
+    (tmp_path / "b.py").write_text("def f(completions, **kw):\n    return [2.0 for c in completions]\n"
+                                   "def reverse_reward(completions, **kw):\n    return [2.0 for c in completions]\n")
+    for spec, names in ((f"{tmp_path / 'a.py'}:f,{tmp_path / 'b.py'}:f", "f, f"),
+                        (f"reverse_reward,{tmp_path / 'a.py'}:f,{tmp_path / 'b.py'}:reverse_reward",
+                         "reverse_reward, f, reverse_reward")):
+        res = in_process(capsys, *FAST, "--max_steps", "1", "--reward_funcs", spec, "--save_dir", tmp_path / "run")
+        assert res.returncode == 1
+        assert one_line_error(res) == (f"error: --reward_funcs: two functions have one name ({names}), and each name "
+                                       f"keys its own metrics: rename one")
+        assert not (tmp_path / "run").exists()
 
 
 def test_a_reward_that_scores_no_row_has_no_mean_and_one_row_no_std_as_trl():
@@ -194,10 +227,6 @@ def test_a_reward_that_scores_no_row_has_no_mean_and_one_row_no_std_as_trl():
     assert math.isnan(mean) and math.isnan(std)
     mean, std = tg.world_mean_and_std(torch.tensor([0.7], dtype=torch.float64))
     assert mean == 0.7 and math.isnan(std)
-    assert tg.reward_names([tg.text_of, tg.parse_number, tg.text_of, tg.text_of]) == [
-        "text_of", "parse_number", "text_of_2", "text_of_3"]
-    renamed = type(tg.text_of)(tg.text_of.__code__, {}, "text_of_3")    # a function whose own name is f_3
-    assert tg.reward_names([renamed, tg.text_of, tg.text_of]) == ["text_of_3", "text_of", "text_of_2"]
 
 
 def test_a_forks_batch_without_values_per_function_on_one_rank_neither_hangs_nor_drops_a_metric(tmp_path):
