@@ -2,8 +2,8 @@
 
 Read it top to bottom beside notebook.ipynb. First the config (`Args`), then one step (`grpo_step`: collect a
 batch, then train on it) and its math, each formula in a comment and with a test in tests/. A line of '=' marks
-where the math ends. Below it is the plumbing the step calls by name, and what runs the step: the loop, tasks and
-rewards, models, processes, flags, checkpoints and logging.
+where the step's math ends (its comment names the few formulas that live below). Below it is the plumbing the step
+calls by name, and what runs the step: the loop, tasks and rewards, models, processes, flags, checkpoints, logging.
 
     python train_grpo.py                                          # offline: a tiny model, a built-in task
     torchrun --nproc_per_node 2 train_grpo.py --loss_type grpo    # 2 processes (gloo on CPU, nccl on GPU)
@@ -118,7 +118,7 @@ class Args:
     run_name: str = flag("", "the run's name in wandb or tensorboard; empty: the save_dir's name")
 
     def __post_init__(self):
-        # cispo's epsilon_high is a cap on the weight min(r, eps_h), not an offset from 1.
+        # cispo's epsilon_high is a cap on the weight min(rho, eps_h), not an offset from 1.
         if self.epsilon_high == -1.0:
             self.epsilon_high = 5.0 if self.loss_type == "cispo" else self.epsilon
 
@@ -173,7 +173,7 @@ class Batch:
     completion_mask: torch.Tensor  # [B*G, T], m: 1 up to and including the first EOS, the tokens that train
     advantages: torch.Tensor       # [B*G], A
     rewards: torch.Tensor          # [B*G], r
-    completion_len: torch.Tensor   # [B*G], tokens up to the EOS, counted before --mask_truncated_completions
+    completion_len: torch.Tensor   # [B*G], tokens up to and including the EOS, before --mask_truncated_completions
     truncated: torch.Tensor        # [B*G], True where a completion never emitted an EOS
     rewards_per_func: object = None  # [B*G, K], each reward function's value before its weight; NaN: None
     old_logps: object = None       # [B*G, T] without a graph, the sampler's; None: the policy's (stage 6)
@@ -210,7 +210,7 @@ def collect_batch(args, run, prompt_rows):
     prompt_ids, prompt_mask, prompts_cut = tokenize_prompts(tokenizer, texts, args.max_prompt_len, device, G)
 
     # 2. Rollout. model.generate on the bare policy samples from softmax(z / temperature) and nothing else, since
-    # that is the distribution the ratio scores. The mask keeps each completion up to its first EOS (completion_mask).
+    # that is the distribution the ratio scores. The mask keeps each completion up to and including its first EOS.
     started = time.time()
     with autocast(args, device):
         completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
@@ -449,7 +449,7 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
 
 def _chunk_logps_entropy(model, hidden, targets, temperature, entropy_grad, with_entropy=True):
     """One chunk: hidden [c, H] -> logits [c, V], which exist only here -> log-probs [c] and entropy [c]."""
-    # z = lm_head(h), times any scale the model's config applies after it.
+    # z = lm_head(h), then the scale, divisor or softcap the model's config applies after it (lm_logits).
     logits = lm_logits(model, hidden).float()
     if temperature != 1.0:
         # In place, so no second [c, V] tensor exists.
@@ -506,7 +506,8 @@ def policy_objective(logps, old_logps, advantages, mask, *, loss_type, epsilon, 
     assert not old_logps.requires_grad, "old_logps must be detached: exp(x - x) has zero gradient"
     mask = mask.to(logps.dtype)
     A = advantages.to(logps.dtype).unsqueeze(1)
-    # r = exp(logp - old). Its value is 1 on-policy, and its gradient is r * dlogp because old has no graph.
+    # rho = exp(logp - old), the ratio (r is the reward). It is 1 on-policy, and its gradient is rho * dlogp because
+    # old has no graph.
     log_ratio = logps - old_logps
     if importance_sampling_level == "sequence":
         assert loss_type != "cispo", "GSPO's sequence ratio is for the clipped objective"
@@ -515,11 +516,11 @@ def policy_objective(logps, old_logps, advantages, mask, *, loss_type, epsilon, 
         log_ratio = seq_log_ratio.expand_as(logps)
     ratio = torch.exp(log_ratio)
     if loss_type == "cispo":
-        # L = -sg(min(r, eps_h)) * A * logp: a capped weight without gradient on a REINFORCE term.
+        # L = -sg(min(rho, eps_h)) * A * logp: a capped weight without gradient on a REINFORCE term.
         per_token = -torch.clamp(ratio, max=epsilon_high).detach() * A * logps
         clipped = (ratio > epsilon_high) & (A > 0)
     else:
-        # L = -min(r * A, clip(r, 1 - eps, 1 + eps_h) * A)
+        # L = -min(rho * A, clip(rho, 1 - eps, 1 + eps_h) * A)
         per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A)
         clipped = ((ratio < 1 - epsilon) & (A < 0)) | ((ratio > 1 + epsilon_high) & (A > 0))
     policy_loss = normalize(per_token.detach(), mask, loss_type, divisor)
@@ -837,7 +838,7 @@ def step_metrics(args, run, batch, state, update_stats, step_time):
                    "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
                    "entropy_coef_applied": update_stats["entropy_coef_applied"], "grad_norm": update_stats["grad_norm"],
                    "learning_rate": update_stats["learning_rate"], "skipped_updates": state.skipped_updates,
-                   "truncated_prompts": int(cut)})
+                   "prompts_cut": int(cut)})
     if run.scaler.is_enabled():
         record["loss_scale"] = run.scaler.get_scale()
     record.update({"step_time": step_time, "generate_time": batch.generate_time, "tokens_per_s": tokens / step_time,
@@ -951,7 +952,7 @@ def train(args, rank, world, device, collect=None):
             last_eval = f"{record[eval_key]:.3f}"
         log_step(args, record, samples, rank, report)
         bar.set_postfix(reward=f"{record['reward']:.3f}", eval=last_eval)
-        if record["truncated_prompts"] and not warned_cut and rank == 0:
+        if record["prompts_cut"] and not warned_cut and rank == 0:
             print(f"warning: prompts longer than --max_prompt_len {args.max_prompt_len} lose their start")
             warned_cut = True
         stopping = args.stop_after and step >= args.stop_after

@@ -295,4 +295,4 @@ def test_every_world_quantity_of_the_step_is_the_worlds():
     assert all(kl != pytest.approx(r["kl_sum"] / r["tokens"], rel=1e-3) for r in (r0, r1))   # the data tell
     for r in (r0, r1):
         assert r["record"]["kl"] == pytest.approx(kl, rel=1e-5)
-        assert r["record"]["truncated_prompts"] == r0["cut"] + r1["cut"] == 3
+        assert r["record"]["prompts_cut"] == r0["cut"] + r1["cut"] == 3

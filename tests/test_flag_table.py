@@ -124,7 +124,7 @@ FLAGS = {
     "micro_batch_size": [step(4, lambda d, f: len(f.calls["lm_logits"]) == 2 * len(d.calls["lm_logits"])),
                          # the last micro-batch holds fewer rows: 8 rows in 3 + 3 + 2
                          step(3, lambda d, f: f.calls["logp_rows"] == [3, 3, 2] and d.calls["logp_rows"] == [8])],
-    "max_prompt_len": [step(3, lambda d, f: f.record["truncated_prompts"] == 2 and d.record["truncated_prompts"] == 0
+    "max_prompt_len": [step(3, lambda d, f: f.record["prompts_cut"] == 2 and d.record["prompts_cut"] == 0
                             and f.calls["prompt_width"] == [3])],
     "max_gen_len": [step(3, lambda d, f: tokens_shape(f) == 3 and tokens_shape(d) == 6)],
     "temperature": [step(0.5, lambda d, f: f.record["entropy"] < d.record["entropy"])],

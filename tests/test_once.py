@@ -37,7 +37,7 @@ def test_each_prompt_is_tokenized_once_a_step_and_repeated_in_contiguous_groups(
     # by hand (<pad> 0, a 3, b 4, c 5, d 6, e 7, f 8, '=' 11): "ab=" left-padded, "abcdef=" cut to its end
     assert prompt_ids.tolist() == [[0, 3, 4, 11]] * 4 + [[6, 7, 8, 11]] * 4
     assert prompt_mask.tolist() == [[0, 1, 1, 1]] * 4 + [[1, 1, 1, 1]] * 4
-    assert record["truncated_prompts"] == 1                                    # prompts, not completions
+    assert record["prompts_cut"] == 1                                    # prompts, not completions
 
 
 def test_the_completion_ids_are_built_once_a_step_and_an_eval_batch_and_the_texts_decoded_from_them(monkeypatch):

@@ -223,7 +223,7 @@ def test_long_prompts_are_left_truncated_and_counted(tmp_path, capsys):
     out = capsys.readouterr()
     assert (out.out + out.err).count("lose their start") == 1  # warned once
     rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    assert [r["truncated_prompts"] for r in rows] == [4, 4]  # each step: every prompt of its 4
+    assert [r["prompts_cut"] for r in rows] == [4, 4]  # each step: every prompt of its 4
 
 
 # ---- checkpoints and exact resume ----
@@ -261,7 +261,7 @@ def assert_continues_exactly(a, b, nproc):
     ma = [json.loads(l) for l in open(a / "metrics.jsonl")]
     mb = [json.loads(l) for l in open(b / "metrics.jsonl")]
     assert [r["step"] for r in mb] == [1, 2, 3, 4]
-    assert all(r["truncated_prompts"] == 4 * nproc for r in mb)    # this step's, over all ranks
+    assert all(r["prompts_cut"] == 4 * nproc for r in mb)    # this step's, over all ranks
     strip = lambda r: {k: v for k, v in r.items() if k not in TIMING}
     assert [strip(r) for r in ma[2:]] == [strip(r) for r in mb[2:]]
 
