@@ -890,6 +890,8 @@ def train(args, rank, world, device, collect=None):
         # Another run there would replace this one's logs, and a later --resume auto would pick the wrong one.
         raise TrainerError(f"--save_dir {args.save_dir} holds an earlier run: continue it with --resume auto, or "
                            f"give another --save_dir")
+    # Every rank has looked before rank 0 writes args.json there.
+    barrier()
     random.seed(args.seed)
     np.random.seed(args.seed)
     # The same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's).
@@ -901,7 +903,7 @@ def train(args, rank, world, device, collect=None):
         print(f"{len(train_rows)} training prompts; {len(eval_rows)} held-out prompts, never trained on")
         print(f"flags that differ from the defaults: {changed_flags(args) or 'none'}")
         os.makedirs(args.save_dir, exist_ok=True)
-        write_args(args, args.save_dir)
+        write_args(args, args.save_dir, world)
     prompt_order = DistributedSampler(range(len(train_rows)), num_replicas=world, rank=rank, shuffle=True,
                                       seed=args.seed, drop_last=True)
     model = wrap_ddp(policy, device) if world > 1 else policy
@@ -945,7 +947,8 @@ def train(args, rank, world, device, collect=None):
             samples = batch_samples(step, batch, run)
         if args.eval_interval > 0 and (step % args.eval_interval == 0 or step == args.max_steps):
             if rank == 0:
-                print_group(batch_samples(step, batch, run), args.num_generations)
+                # The training rows decoded for completions.jsonl, if they were.
+                print_group(samples or batch_samples(step, batch, run), args.num_generations)
             eval_record, eval_samples = evaluate(args, run, eval_rows, eval_key, rank, step)
             record.update(eval_record)
             samples += eval_samples
@@ -1193,9 +1196,10 @@ def load_task(args, world):
         reward_fns = load_reward_funcs(args.reward_funcs)
         weights = [1.0] * len(reward_fns)
     names = [fn.__name__ for fn in reward_fns]
-    if len(set(names)) < len(names):
-        raise TrainerError(f"--reward_funcs: two functions have one name ({', '.join(names)}), and each name keys "
-                           f"its own metrics: rename one")
+    # Each name keys its own metrics and its own column of the completions table.
+    if len(set(names)) < len(names) or set(names) & {"step", "split", "prompt", "completion", "reward", "advantage"}:
+        raise TrainerError(f"--reward_funcs: each function needs a name of its own, and none of step, split, prompt, "
+                           f"completion, reward or advantage (got {', '.join(names)})")
     if args.reward_weights:
         try:
             weights = [float(w) for w in args.reward_weights.split(",")]
@@ -1212,7 +1216,8 @@ def load_task(args, world):
         train_rows, eval_rows = load_rows(args)
         if args.dataset != "gsm8k" and not args.reward_funcs:
             raise TrainerError(f"--dataset {args.dataset} is not a built-in task: give its rewards with "
-                               f"--reward_funcs (GSM8K's are built in: gsm8k_correct_reward,gsm8k_format_reward)")
+                               f"--reward_funcs (GSM8K's: --reward_funcs gsm8k_correct_reward,gsm8k_format_reward "
+                               f"--reward_weights 1,0.1)")
     if len(train_rows) < args.batch_size * world:
         raise TrainerError(f"the training set has {len(train_rows)} prompts, fewer than batch_size * ranks = "
                            f"{args.batch_size * world}")
@@ -1441,16 +1446,18 @@ def resumed_args(args, typed, ckpt, parser):
     """Flags of the run that wrote ckpt (None: the one in --save_dir, restarted at step 1), with the typed ones."""
     folder = os.path.dirname(os.path.abspath(ckpt)) if ckpt else args.save_dir
     this_command = {"save_dir": typed.get("save_dir", folder), "resume": args.resume, "stop_after": args.stop_after}
-    # The prompt order and a step's rows depend on the number of processes: each wrote its own rng_state_<rank>.pt.
+    # The prompt order and a step's rows depend on the number of processes, which args.json records, and each
+    # process wrote its own rng_state_<rank>.pt into a checkpoint.
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt"))) if ckpt else world
     step = 0
     config = {}
     try:
         with open(os.path.join(ckpt or folder, "args.json")) as f:
             saved = json.load(f)
+        trained_by = saved.pop("world_size", world)
         resumed = Args(**{**saved, **typed, **this_command})
         if ckpt:
+            trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt")))
             with open(os.path.join(ckpt, "config.json")) as f:
                 config = json.load(f)
             trainer_state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu",
@@ -1478,8 +1485,8 @@ def resumed_args(args, typed, ckpt, parser):
             parser.error(f"--{name} {value} differs from {saved[name]}, the value {ckpt or folder} was trained with: "
                          f"a resumed run computes what its run computed (use another --save_dir for a new run)")
     if trained_by != world:
-        parser.error(f"--resume: {ckpt} was trained by {trained_by} process(es) and this run has {world}: resume it "
-                     f"on {trained_by} (torchrun --nproc_per_node {trained_by} train_grpo.py --resume ...)")
+        parser.error(f"--resume: {ckpt or folder} was trained by {trained_by} process(es) and this run has {world}: "
+                     f"resume it on {trained_by} (torchrun --nproc_per_node {trained_by} train_grpo.py --resume ...)")
     if resumed.max_steps < step:
         parser.error(f"--max_steps {resumed.max_steps} is below step {step} of {ckpt}: give {step} or more")
     if 0 < resumed.stop_after <= step:
@@ -1567,7 +1574,7 @@ def save(args, run, state, rank):
     torch.save(rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
     if rank == 0:
         save_pretrained(unwrap(run.model), run.tokenizer, tmp)
-        write_args(args, tmp)
+        write_args(args, tmp, run.world)
         trainer_state = {**dataclasses.asdict(state), "optimizer": run.optimizer.state_dict(),
                          "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict()}
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
@@ -1604,10 +1611,11 @@ def save_pretrained(model, tokenizer, where):
             hf_logging.enable_progress_bar()
 
 
-def write_args(args, folder):
-    """--resume says how a command started, not what the run computes, so args.json records it empty."""
+def write_args(args, folder, world):
+    """Every flag and the number of processes. --resume says how a command started, not what the run computes,
+    so args.json records it empty."""
     with open(os.path.join(folder, "args.json"), "w") as f:
-        json.dump({**dataclasses.asdict(args), "resume": ""}, f, indent=1)
+        json.dump({**dataclasses.asdict(args), "resume": "", "world_size": world}, f, indent=1)
 
 
 def changed_flags(args):

@@ -20,8 +20,9 @@ def metrics(save_dir):
 def test_args_json_holds_every_resolved_flag_in_the_save_dir_and_each_checkpoint(tmp_path, capsys):
     tg.main([*SHORT, "--max_steps", "2", "--save_interval", "1", "--entropy_coef", "0.01", "--save_dir", str(tmp_path)])
     saved = json.load(open(tmp_path / "args.json"))
-    # Every flag is there, typed or not: the typed ones as typed, the rest at the toy's defaults.
-    assert sorted(saved) == sorted(f.name for f in tg.dataclasses.fields(tg.Args))
+    # Every flag is there, typed or not: the typed ones as typed, the rest at the toy's defaults; and the world size.
+    assert sorted(saved) == sorted([f.name for f in tg.dataclasses.fields(tg.Args)] + ["world_size"])
+    assert saved["world_size"] == 1
     assert saved["entropy_coef"] == 0.01 and saved["max_steps"] == 2 and saved["batch_size"] == 4
     assert saved["learning_rate"] == 2e-4 and saved["loss_type"] == "grpo" and saved["epsilon_high"] == 0.2
     for step in (1, 2):
@@ -211,7 +212,8 @@ def test_a_dataset_that_is_not_built_in_needs_your_rewards_even_if_its_rows_are_
         with pytest.raises(tg.TrainerError) as e:
             tg.load_task(args, 1)
         assert str(e.value) == (f"--dataset {dataset} is not a built-in task: give its rewards with --reward_funcs "
-                                f"(GSM8K's are built in: gsm8k_correct_reward,gsm8k_format_reward)")
+                                f"(GSM8K's: --reward_funcs gsm8k_correct_reward,gsm8k_format_reward "
+                                f"--reward_weights 1,0.1)")
     gsm8k = tg.parse_args(["--model_name_or_path", "X", "--dataset", SAMPLE, "--batch_size", "2", "--eval_size", "4",
                            "--reward_funcs", "gsm8k_correct_reward,gsm8k_format_reward"])
     *_, fns, weights, key = tg.load_task(gsm8k, 1)

@@ -205,3 +205,17 @@ def test_gsm8k_brings_its_own_rewards_and_any_other_dataset_asks_for_yours(tmp_p
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))        # GSM8K's rows, but not --dataset gsm8k
     with pytest.raises(tg.TrainerError, match="is not a built-in task: give its rewards with --reward_funcs"):
         tg.load_task(tg.Args(dataset=str(data), model_name_or_path="m", batch_size=2), world=1)
+
+
+def test_a_run_started_again_needs_its_number_of_processes_too(tmp_path, capsys):
+    """args.json records the world size: a 2-process run killed before its first checkpoint, restarted by one
+    process, would be another run (another prompt order and rows), so it stops in one line."""
+    with pytest.raises(KeyboardInterrupt):
+        tg.main([*FAST, "--max_steps", "4", "--save_dir", str(tmp_path)], collect=killed_at_step(2))
+    flags = json.load(open(tmp_path / "args.json"))
+    assert flags["world_size"] == 1 and flags["resume"] == ""
+    flags["world_size"] = 2                                           # as torchrun --nproc_per_node 2 wrote it
+    (tmp_path / "args.json").write_text(json.dumps(flags))
+    line = one_line_error(in_process(capsys, "--resume", "auto", "--save_dir", tmp_path))
+    assert f"{tmp_path} was trained by 2 process(es) and this run has 1" in line and "--nproc_per_node 2" in line
+    assert [r["step"] for r in metrics(tmp_path)] == [1]

@@ -214,7 +214,9 @@ def test_a_wandb_resume_is_a_new_run_of_the_group_unless_wandbs_own_variables_na
     common = [*FAST, "--max_steps", "2", "--report_to", "wandb"]
     tg.main([*common, "--stop_after", "1", "--save_dir", str(tmp_path / "new")])
     tg.main([*common, "--resume", "auto", "--save_dir", str(tmp_path / "new")])
-    (first, group1, steps1), (second, group2, steps2) = wandb_runs(tmp_path / "new", steps=2)
+    # two runs started within one second: their folders' names do not say which came first, their steps do
+    runs = sorted(wandb_runs(tmp_path / "new", steps=2), key=lambda r: r[2])
+    (first, group1, steps1), (second, group2, steps2) = runs
     assert first != second and group1 == group2 == "new" and (steps1, steps2) == ([1], [2])
     # wandb reads its variables as it starts, so each command is a process of its own, as a user's is
     monkeypatch.setenv("WANDB_RUN_ID", "myrun123")
@@ -222,7 +224,8 @@ def test_a_wandb_resume_is_a_new_run_of_the_group_unless_wandbs_own_variables_na
     for flags in (["--stop_after", "1"], ["--resume", "auto"]):
         res = run_cli(*common, *flags, "--save_dir", tmp_path / "same", timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
-    assert wandb_runs(tmp_path / "same", steps=2) == [("myrun123", "same", [1]), ("myrun123", "same", [2])]
+    runs = sorted(wandb_runs(tmp_path / "same", steps=2), key=lambda r: r[2])
+    assert runs == [("myrun123", "same", [1]), ("myrun123", "same", [2])]
 
 
 # ---- flags that cannot work together are refused before any work ----

@@ -211,13 +211,15 @@ def test_two_reward_functions_of_one_name_stop_in_one_line(tmp_path, capsys):
     (tmp_path / "a.py").write_text("def f(completions, **kw):\n    return [1.0 for c in completions]\n")
     (tmp_path / "b.py").write_text("def f(completions, **kw):\n    return [2.0 for c in completions]\n"
                                    "def reverse_reward(completions, **kw):\n    return [2.0 for c in completions]\n")
+    (tmp_path / "c.py").write_text("def reward(completions, **kw):\n    return [2.0 for c in completions]\n")
     for spec, names in ((f"{tmp_path / 'a.py'}:f,{tmp_path / 'b.py'}:f", "f, f"),
                         (f"reverse_reward,{tmp_path / 'a.py'}:f,{tmp_path / 'b.py'}:reverse_reward",
-                         "reverse_reward, f, reverse_reward")):
+                         "reverse_reward, f, reverse_reward"),
+                        (f"{tmp_path / 'c.py'}:reward", "reward")):   # a name the completions table uses already
         res = in_process(capsys, *FAST, "--max_steps", "1", "--reward_funcs", spec, "--save_dir", tmp_path / "run")
         assert res.returncode == 1
-        assert one_line_error(res) == (f"error: --reward_funcs: two functions have one name ({names}), and each name "
-                                       f"keys its own metrics: rename one")
+        assert one_line_error(res) == (f"error: --reward_funcs: each function needs a name of its own, and none of "
+                                       f"step, split, prompt, completion, reward or advantage (got {names})")
         assert not (tmp_path / "run").exists()
 
 
