@@ -917,11 +917,11 @@ def train(args, rank, world, device, collect=None):
     last_eval = ""
     if ckpt:
         state = resume(args, ckpt, run, rank)
-        report, close_report = open_report(args, rank, resumed_at=state.step)
+        report, close_report = open_report(args, rank, first_step=state.step + 1)
     else:
         state = TrainState.initial(args)
-        report, close_report = open_report(args, rank)
-        # Each rank samples its own completions, and the warmup no longer shifts the random streams.
+        report, close_report = open_report(args, rank, first_step=0)
+        # Each rank samples its own completions, and the supervised warm-up no longer shifts the random streams.
         torch.manual_seed(args.seed + 1 + rank)
         random.seed(args.seed + 1 + rank)
         if rank == 0:
@@ -1007,9 +1007,6 @@ def frozen_copy(policy, dtype):
 
 
 def sft_warmup(model, tokenizer, train_rows, args, device, rank, world):
-    if args.sft_batch_size < world:
-        raise TrainerError(f"the supervised warm-up shares --sft_batch_size {args.sft_batch_size} rows among "
-                           f"{world} ranks, one at least each: use --sft_batch_size >= {world} or --sft_warmup_steps 0")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_learning_rate)
     scaler = loss_scaler(args.dtype, device)
     # Its own generator, apart from the one that samples the rollouts, so the warm-up never shifts their streams.
@@ -1530,6 +1527,10 @@ def check_args(a):
         yield "--importance_sampling_level sequence (GSPO) is for the clipped objective, not --loss_type cispo"
     if a.entropy_coef_min > a.entropy_coef_max:
         yield f"--entropy_coef_min {a.entropy_coef_min} must be <= --entropy_coef_max {a.entropy_coef_max}"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not a.model_name_or_path and a.sft_warmup_steps > 0 and a.sft_batch_size < world:
+        yield (f"the supervised warm-up shares --sft_batch_size {a.sft_batch_size} rows among {world} ranks, one at "
+               f"least each: use --sft_batch_size >= {world} or --sft_warmup_steps 0")
     if a.eval_interval > 0 and a.eval_size == 0:
         yield f"--eval_interval {a.eval_interval} needs held-out prompts: set --eval_size > 0 or --eval_interval 0"
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -1768,8 +1769,9 @@ def completion_samples(step, split, run, prompt_ids, prompt_mask, completions, r
     return samples
 
 
-def open_report(args, rank, resumed_at=None):
-    """A resume goes on in its TensorBoard run, later points purged, and by default a new wandb run of its group."""
+def open_report(args, rank, first_step):
+    """A run goes on in its TensorBoard run, the points from first_step on purged (a restart's, a resume's later
+    ones), and by default in a new wandb run of its group."""
     if args.report_to == "none" or rank != 0:
         return None, None
     name = args.run_name or os.path.basename(os.path.normpath(args.save_dir))
@@ -1791,8 +1793,7 @@ def open_report(args, rank, resumed_at=None):
             wandb_run.log(logged, step=record["step"])
         return send_to_wandb, wandb_run.finish
     from torch.utils.tensorboard import SummaryWriter
-    purge_step = None if resumed_at is None else resumed_at + 1
-    writer = SummaryWriter(os.path.join(args.save_dir, "tensorboard", name), purge_step=purge_step)
+    writer = SummaryWriter(os.path.join(args.save_dir, "tensorboard", name), purge_step=first_step)
 
     def send_to_tensorboard(record, samples):
         for k, v in record.items():

@@ -219,3 +219,15 @@ def test_a_run_started_again_needs_its_number_of_processes_too(tmp_path, capsys)
     line = one_line_error(in_process(capsys, "--resume", "auto", "--save_dir", tmp_path))
     assert f"{tmp_path} was trained by 2 process(es) and this run has 1" in line and "--nproc_per_node 2" in line
     assert [r["step"] for r in metrics(tmp_path)] == [1]
+
+
+def test_a_run_started_again_holds_each_step_once_in_tensorboard(tmp_path):
+    """The killed attempt's points are purged from its TensorBoard run, as its .jsonl logs are emptied."""
+    from tensorboard.backend.event_processing import event_accumulator  # requirements-test.txt only
+    flags = [*FAST, "--max_steps", "3", "--report_to", "tensorboard", "--run_name", "tb", "--save_dir", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        tg.main(flags, collect=killed_at_step(3))
+    tg.main(["--resume", "auto", "--save_dir", str(tmp_path)])
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard" / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward")] == [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
