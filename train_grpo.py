@@ -170,7 +170,7 @@ class Batch:
     prompts_cut are what the fork puts there."""
     input_ids: torch.Tensor        # [B*G, P + T], each left-padded prompt, then its completion
     attention_mask: torch.Tensor   # [B*G, P + T]
-    completion_mask: torch.Tensor  # [B*G, T], m: 1 up to and including the first EOS, the tokens that train
+    completion_mask: torch.Tensor  # [B*G, T], m: 1 up to and including the first EOS (or 0 as masked), what trains
     advantages: torch.Tensor       # [B*G], A
     rewards: torch.Tensor          # [B*G], r
     completion_len: torch.Tensor   # [B*G], tokens up to and including the EOS, before --mask_truncated_completions
@@ -816,7 +816,7 @@ def auto_chunk_tokens(vocab_size, budget_mib=LOGITS_BUDGET_MIB):
 # ---------------------------------------------------------------------------------------------------------------
 def step_metrics(args, run, batch, state, update_stats, step_time):
     """TRL's names. Every rank has B*G rows, so the world's mean is the sum of the rank means over the world size.
-    The timings and the memory are this rank's."""
+    The timings and the memory are this rank's; tokens_per_s is the world's completion tokens over this rank's time."""
     device = batch.input_ids.device
     N = update_stats["N"]
     grouped = batch.rewards.view(-1, args.num_generations)
@@ -831,14 +831,14 @@ def step_metrics(args, run, batch, state, update_stats, step_time):
     for name, total in zip(rank_means, world_totals):
         record[name] = total / run.world
     record.update(reward_metrics("rewards", run.reward_fns, values_per_func(batch, run), device))
-    kl_sum, clipped, cut, tokens = world_sum(update_stats["kl"], update_stats["clipped"], batch.prompts_cut,
+    kl_sum, clipped, prompts_cut, tokens = world_sum(update_stats["kl"], update_stats["clipped"], batch.prompts_cut,
                                              batch.completion_len.sum(), device=device)
     record.update({"kl": kl_sum / max(N, 1.0), "clip_ratio": clipped / max(N, 1.0),
                    "reward_std": world_std(batch.rewards, device), "advantage_std": world_std(batch.advantages, device),
                    "entropy": state.world_entropy, "entropy_coef": state.entropy_coef,
                    "entropy_coef_applied": update_stats["entropy_coef_applied"], "grad_norm": update_stats["grad_norm"],
                    "learning_rate": update_stats["learning_rate"], "skipped_updates": state.skipped_updates,
-                   "prompts_cut": int(cut)})
+                   "prompts_cut": int(prompts_cut)})
     if run.scaler.is_enabled():
         record["loss_scale"] = run.scaler.get_scale()
     record.update({"step_time": step_time, "generate_time": batch.generate_time, "tokens_per_s": tokens / step_time,
