@@ -74,6 +74,8 @@ class Args:
     max_gen_len: int = flag(8, "L_max, new tokens per completion")
     temperature: float = flag(1.0, "sampling temperature; the log-probs are scored at the same one")
     mask_truncated_completions: int = flag(0, "1: a completion without EOS trains no token", (0, 1))
+    share_prompt: int = flag(1, "1: a group's prompt goes through the model once, its G completions on its KV cache; "
+                                "0: once per row", (0, 1))
     # Objective.
     beta: float = flag(0.0, "k3 KL coefficient; > 0 keeps a frozen reference model")
     epsilon: float = flag(0.2, "lower clip: the ratio is clipped at 1 - epsilon")
@@ -211,11 +213,14 @@ def collect_batch(args, run, prompt_rows):
 
     # 2. Rollout. model.generate on the bare policy samples from softmax(z / temperature) and nothing else, since
     # that is the distribution the ratio scores. The mask keeps each completion up to and including its first EOS.
+    # A group's G rows share one prompt, so (--share_prompt) its tokens go through the model once, into a KV cache
+    # that the G rows then sample on. The work of a step's model passes is B*P + B*G*T tokens, not B*G*(P + T).
     started = time.time()
     with autocast(args, device):
         completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
                                                   max_gen_len=args.max_gen_len, temperature=args.temperature,
-                                                  static_cache=device.type == "cuda")
+                                                  static_cache=device.type == "cuda",
+                                                  group_size=G if args.share_prompt else 1)
     generate_time = time.time() - started
 
     # 3. Rewards. Each function gets what TRL gives it (the prompts, the decoded completions, their ids and the
@@ -282,11 +287,13 @@ def train_on_batch(args, run, batch, state):
             D = loss_divisor(args.loss_type, num_rows, m.shape[0], N, run.world, args.max_gen_len)
             # 7. Current log-probs, through the DDP wrapper so that backward syncs the gradients.
             # The entropy is measured on the first update, and kept in the graph only if a bonus uses it.
+            # Rows of one prompt share its KV cache (--share_prompt), here as in stages 2, 5 and 6: the same log-probs,
+            # and the prompt's gradient is the sum of its rows'.
             with autocast(args, device):
                 logps, entropy, aux = completion_logps(
                     run.model, batch.input_ids[part], batch.attention_mask[part], T, temperature=args.temperature,
                     chunk_size=args.logp_chunk_size, entropy_grad=alpha != 0.0,
-                    with_entropy=iteration == 0 or alpha != 0.0)
+                    with_entropy=iteration == 0 or alpha != 0.0, share_prompt=bool(args.share_prompt))
             # On-policy (mu = 1) the old log-probs are logp.detach(): the ratio is 1, and its gradient is dlogp.
             old = logps.detach() if old_logps is None else old_logps[part]
             ref = None if ref_logps is None else ref_logps[part]
@@ -298,7 +305,8 @@ def train_on_batch(args, run, batch, state):
             # 11. The bonus is the token mean of H over this micro-batch, whatever the loss type (TRL).
             if alpha != 0.0:
                 loss = loss - alpha * share * (entropy * m).sum() / m.sum().clamp(min=1)
-            # 12. A mixture of experts adds its router's load-balancing loss.
+            # 12. A mixture of experts adds its router's load-balancing loss. With --share_prompt its routers see
+            # each prompt once per micro-batch, so a prompt weighs in it as one row, not G.
             if aux is not None:
                 loss = loss + policy.config.router_aux_loss_coef * share * aux
                 sums["aux"] += share * aux.detach()
@@ -399,18 +407,19 @@ def logps_without_grad(model, input_ids, attention_mask, T, parts, args):
         for part in parts:
             logps.append(completion_logps(model, input_ids[part], attention_mask[part], T,
                                           temperature=args.temperature, chunk_size=args.logp_chunk_size,
-                                          with_entropy=False)[0])
+                                          with_entropy=False, share_prompt=bool(args.share_prompt))[0])
     return torch.cat(logps)
 
 
 def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *, temperature=1.0, chunk_size=0,
-                     entropy_grad=False, with_entropy=True):
+                     entropy_grad=False, with_entropy=True, share_prompt=False):
     """Log-probs and entropy of each row's last T tokens, [rows, T] each, and the MoE router loss or None.
 
     The decoder's last hidden states go through lm_head chunk_size tokens at a time, so the [rows, T, V] logits never
     exist at once: a chunk's do, beside the model's own for each row's last position (a few chunks with grad). At a
     real vocabulary a chunk is a small part of the batch (110 tokens at Qwen's 151,936), at the toy's all of it.
     With grad, call it with the DDP wrapper: the wrapper's forward is what syncs the gradients.
+    share_prompt: rows with equal prompts (a group, or the part of one the micro-batch holds) forward it once.
     """
     T = num_completion_tokens
     # Positions count real tokens only, as generate() counted them under left padding.
@@ -419,17 +428,22 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     moe = grad and is_moe(model)
     # Without grad the bare module is enough, and it skips DDP's buffer broadcast.
     net = model if grad else unwrap(model)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if moe:
-        inputs["output_router_logits"] = True
-    # The decoder's last hidden state [rows, P + T, H], caught on its way to the model's own lm_head.
-    hidden, out = forward_last_hidden(net, **inputs)
-    aux = out.aux_loss if moe else None
-    # The hidden state before token t predicts token t.
-    hidden = hidden[:, -T - 1:-1, :]
+    bare = unwrap(model)
+    # A checkpointed layer drops the cache, since replaying it in backward would write it twice: then all rows go
+    # through whole. A prompt of one token has nothing to share.
+    if share_prompt and not (grad and bare.is_activation_checkpointing) and input_ids.shape[1] - T > 1:
+        hidden, aux = forward_on_prompt_cache(net, input_ids, attention_mask, position_ids, T, moe)
+    else:
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        if moe:
+            inputs["output_router_logits"] = True
+        # The decoder's last hidden state [rows, P + T, H], caught on its way to the model's own lm_head.
+        hidden, out = forward_last_hidden(net, **inputs)
+        aux = out.aux_loss if moe else None
+        # The hidden state before token t predicts token t.
+        hidden = hidden[:, -T - 1:-1, :]
     targets = input_ids[:, -T:]
     rows = targets.shape[0]
-    bare = unwrap(model)
     vocab = bare.get_output_embeddings().weight.shape[0]
     # By default, as many tokens as fit 64 MiB of float32 logits.
     chunk_size = chunk_size or auto_chunk_tokens(vocab)
@@ -655,7 +669,9 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_len, device, repeat=1):
 
 @torch.no_grad()
 def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sample=True, temperature=1.0,
-            static_cache=False):
+            static_cache=False, group_size=1):
+    """Completions [rows, T] of the left-padded prompts, their mask and which ones never ended. With group_size > 1
+    the rows come in groups of that many equal prompts, and each group's prompt is forwarded once."""
     from transformers import GenerationConfig
     eos = eos_token_ids(policy, tokenizer)
     sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if do_sample else {}
@@ -674,13 +690,31 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
     # penalty, top-k 50) would sample from a distribution the ratio never scores, so that one is set aside.
     policy.generation_config = GenerationConfig()
     try:
-        out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        cache = None
+        # The static cache's batch is fixed when it is made, so the compiled decode on CUDA prefills every row.
+        if group_size > 1 and not static_cache and input_ids.shape[1] > 1:
+            # generate() forwards what the cache lacks: each row's last prompt token, then the new ones.
+            cache = prompt_cache(policy, input_ids[::group_size, :-1], attention_mask[::group_size, :-1])[0]
+            cache.batch_repeat_interleave(group_size)
+        out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                              cache=cache)
     finally:
         policy.generation_config = checkpoint_config
         policy.train(was_training)
     completion_ids = out[:, input_ids.shape[1]:]
     mask, truncated = completion_mask(completion_ids, eos)
     return completion_ids, mask, truncated
+
+
+def prompt_cache(model, input_ids, attention_mask, **kwargs):
+    """A KV cache of the left-padded rows, and the decoder's output: the bare decoder, since no logits are needed,
+    and with positions counted as completion_logps and generate() count them."""
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = unwrap(model).get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                      cache=cache, use_cache=True, **kwargs)
+    return cache, out
 
 
 def eos_token_ids(model, tokenizer):
@@ -788,6 +822,54 @@ def forward_last_hidden(model, **inputs):
     finally:
         hook.remove()
     return caught[0], out
+
+
+def forward_on_prompt_cache(model, input_ids, attention_mask, position_ids, T, moe):
+    """The hidden states that predict the last T tokens [rows, T, H], and an MoE's router loss or None, with each
+    run of rows with equal prompts forwarded once. The first P - 1 prompt tokens fill a KV cache through the bare
+    decoder; the rows then forward their last prompt token and T - 1 completion tokens on it, through `model` (the
+    DDP wrapper, with grad), whose outputs reach the cache's graph. Those T positions are the ones that predict."""
+    P = input_ids.shape[1] - T
+    prompts = torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1)
+    starts = torch.ones(len(prompts), dtype=torch.bool, device=prompts.device)
+    starts[1:] = (prompts[1:] != prompts[:-1]).any(1)
+    prompt_of_row = starts.cumsum(0) - 1
+    router = {"output_router_logits": True} if moe else {}
+    cache, prompt_out = prompt_cache(model, input_ids[starts, :P - 1], attention_mask[starts, :P - 1], **router)
+    # Each row reads its prompt's cache. Under grad the copies' gradients add up in the prompt's.
+    cache.batch_select_indices(prompt_of_row)
+    caught = []
+    decoder = unwrap(model).get_decoder()
+    hook = decoder.register_forward_hook(lambda module, args, out: caught.append(out))
+    # The decoder hands back its routers' logits, and the model around it computes no router loss of its own:
+    # transformers' would count the cached tokens in its mask but not in its logits.
+    ask = decoder.register_forward_pre_hook(lambda module, args, kwargs: (args, {**kwargs, **router}), with_kwargs=True)
+    try:
+        model(input_ids=input_ids[:, P - 1:-1], attention_mask=attention_mask[:, :-1],
+              position_ids=position_ids[:, P - 1:-1], cache=cache, use_cache=True, logits_to_keep=1)
+    finally:
+        hook.remove()
+        ask.remove()
+    if cache.get_seq_length() != input_ids.shape[1] - 1:
+        raise RuntimeError("--share_prompt: the model did not read its prompt's KV cache; run with --share_prompt 0")
+    if not moe:
+        return caught[0].last_hidden_state, None
+    # The router loss sees each prompt token once, and every token that predicts one.
+    logits = [torch.cat(pair) for pair in zip(prompt_out.router_logits, caught[0].router_logits)]
+    tokens = torch.cat([attention_mask[starts, :P - 1].reshape(-1), attention_mask[:, P - 1:-1].reshape(-1)])
+    bare = unwrap(model)
+    return caught[0].last_hidden_state, router_loss(logits, tokens, bare.num_experts, bare.num_experts_per_tok)
+
+
+def router_loss(router_logits, token_mask, num_experts, top_k):
+    # Switch Transformer's load balance, as transformers computes it: E * sum_e f_e * p_e over every layer's real
+    # tokens, f_e the share of top-k picks that go to expert e, p_e the mean router probability of e.
+    probs = torch.cat([logits.float().softmax(-1) for logits in router_logits])
+    m = token_mask.float().repeat(len(router_logits)).unsqueeze(1)
+    picks = torch.nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).sum(1)
+    f = (picks * m).sum(0) / m.sum()
+    p = (probs * m).sum(0) / m.sum()
+    return num_experts * (f * p).sum()
 
 
 def lm_logits(model, hidden):

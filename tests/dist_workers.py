@@ -162,11 +162,13 @@ def loop_step_grads(rank, world, out_dir):
     dist.init_process_group("gloo")
     train_rows, _ = tg.make_reverse_task(16)
     out = {}
-    for loss_type in ("dapo", "cispo", "grpo"):
+    # Micro-batches of 4 hold one group each (S = 2 per rank); of 3, they split the groups (S = 3).
+    for case, loss_type, micro in (("dapo", "dapo", 4), ("cispo", "cispo", 4), ("grpo", "grpo", 4),
+                                   ("grpo, groups split", "grpo", 3)):
         model, tok = tiny(seed=0)
         ddp = DDP(model)
         args = tg.parse_args(["--loss_type", loss_type, "--batch_size", "2", "--num_generations", "4",
-                              "--micro_batch_size", "4", "--grad_clip", "0"])   # S = 2 micro-steps per rank
+                              "--micro_batch_size", str(micro), "--grad_clip", "0"])
         optimizer, scheduler = tg.build_optimizer(model, args)
         seen = {}
         optimizer.register_step_pre_hook(
@@ -179,7 +181,7 @@ def loop_step_grads(rank, world, out_dir):
         with patched(rollout=lambda *a, **k: seen.setdefault("rollout", (a[1], a[2], *real(*a, **k)))[2:]):
             tg.grpo_step(args, run, rows, tg.TrainState())[0]
         prompt_ids, prompt_mask, comp, mask, *_ = seen["rollout"]
-        out[loss_type] = {"grads": seen["grads"], "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+        out[case] = {"grads": seen["grads"], "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
                           "comp": comp, "mask": mask, "answers": [r["answer"] for r in rows for _ in range(4)]}
     torch.save(out, os.path.join(out_dir, f"loop_{rank}.pt"))
     del ddp, run

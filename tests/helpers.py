@@ -131,6 +131,8 @@ def dist_suite():
         jobs = [("train", (run + ["--use_adaptive_entropy", "1", "--entropy_target", "5.0", "--entropy_coef_delta",
                                   "0.001", "--save_dir", os.path.join(out, "run")], out, False, "train")),
                 ("train", (run + ["--save_dir", os.path.join(out, "bypass")], out, True, "bypass")),
+                ("train", (run + ["--use_moe", "1", "--micro_batch_size", "6", "--save_dir",
+                                  os.path.join(out, "moe_run")], out, False, "moe_train")),
                 ("teardown", (out, run + ["--save_dir", os.path.join(out, "cycle")], "cycle")),
                 ("teardown", (out, run + ["--save_dir", os.path.join(out, "error")], "error")),
                 ("teardown", (out, run + ["--save_dir", os.path.join(out, "context_cycle")], "context_cycle")),

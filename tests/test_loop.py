@@ -127,8 +127,9 @@ def test_two_ranks_with_micro_steps_equal_one_process_on_the_combined_batch():
     ranks = [torch.load(dist_suite() / f"loop_{r}.pt", weights_only=True) for r in (0, 1)]
     tok = tg.build_char_tokenizer(tg.REVERSE_ALPHABET + "=")
     model, _ = tiny()
-    for loss_type in ("dapo", "cispo", "grpo"):
-        parts = [r[loss_type] for r in ranks]
+    for case in ("dapo", "cispo", "grpo", "grpo, groups split"):
+        loss_type = case.split(",")[0]
+        parts = [r[case] for r in ranks]
         N = sum(p["mask"].sum().item() for p in parts)                           # tokens of both ranks
         R = sum(p["mask"].shape[0] for p in parts)
         # on-policy, every loss type's gradient is that of -A logp (ratio 1, inside the clip; cispo's weight 1),
@@ -154,7 +155,7 @@ def test_two_ranks_with_micro_steps_equal_one_process_on_the_combined_batch():
         for name, param in model.named_parameters():
             for p in parts:
                 torch.testing.assert_close(p["grads"][name], param.grad, rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"{loss_type} {name}: {m}")
+                                           msg=lambda m: f"{case} {name}: {m}")
 
 
 def test_two_ranks_warm_up_on_an_uneven_split_takes_the_mean_over_the_whole_batch():

@@ -190,7 +190,8 @@ def test_moe_router_loss_weighs_each_micro_batch_by_its_share_of_the_rows():
             aux.append(out.aux_loss.item())
     assert abs(aux[0] - aux[1]) > 1e-4                     # the weights matter
     want = 8 / 12 * aux[0] + 4 / 12 * aux[1]
-    args = tg.parse_args(["--use_moe", "1", "--batch_size", "3", "--num_generations", "4", "--micro_batch_size", "8"])
+    args = tg.parse_args(["--use_moe", "1", "--batch_size", "3", "--num_generations", "4", "--micro_batch_size", "8",
+                          "--share_prompt", "0"])  # the plain path's router loss: each row its whole prompt
     run = make_run(model, tok, torch.optim.SGD(model.parameters(), lr=0.0))
     batch = dict(input_ids=input_ids, attention_mask=attn, mask=mask, advantages=torch.zeros(12))
     record, _ = step_on_batch(args, run, batch)
