@@ -214,7 +214,7 @@ def collect_batch(args, run, prompt_rows):
     # 2. Rollout. model.generate on the bare policy samples from softmax(z / temperature) and nothing else, since
     # that is the distribution the ratio scores. The mask keeps each completion up to and including its first EOS.
     # A group's G rows share one prompt, so (--share_prompt) its tokens go through the model once, into a KV cache
-    # that the G rows then sample on. The work of a step's model passes is B*P + B*G*T tokens, not B*G*(P + T).
+    # that the G rows then sample on. A pass over the step's rows is then about B*P + B*G*T tokens, not B*G*(P + T).
     started = time.time()
     with autocast(args, device):
         completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
@@ -851,7 +851,7 @@ def forward_on_prompt_cache(model, input_ids, attention_mask, position_ids, T, m
         hook.remove()
         ask.remove()
     if cache.get_seq_length() != input_ids.shape[1] - 1:
-        raise RuntimeError("--share_prompt: the model did not read its prompt's KV cache; run with --share_prompt 0")
+        raise TrainerError("--share_prompt 1: the model did not read its prompt's KV cache; run with --share_prompt 0")
     if not moe:
         return caught[0].last_hidden_state, None
     # The router loss sees each prompt token once, and every token that predicts one.
