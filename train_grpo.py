@@ -213,8 +213,9 @@ def collect_batch(args, run, prompt_rows):
 
     # 2. Rollout. model.generate on the bare policy samples from softmax(z / temperature) and nothing else, since
     # that is the distribution the ratio scores. The mask keeps each completion up to and including its first EOS.
-    # A group's G rows share one prompt, so (--share_prompt) its tokens go through the model once, into a KV cache
-    # that the G rows then sample on. A pass over the step's rows is then about B*P + B*G*T tokens, not B*G*(P + T).
+    # A group's G rows share one prompt, and causal attention makes its keys and values the same in each row. So with
+    # --share_prompt the rollout prefills each prompt once and its G rows sample on that KV cache, except on CUDA,
+    # whose static cache is made for every row. The model then sees B*(P - 1) + B*G*T tokens, not B*G*(P + T).
     started = time.time()
     with autocast(args, device):
         completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
@@ -262,15 +263,21 @@ def train_on_batch(args, run, batch, state):
     parts = micro_batches(num_rows, args.micro_batch_size)
     S = len(parts)
     N = world_sum(mask.sum(), device=device)[0]
+    # A group's rows hold one prompt and attend to it causally, so its keys and values are the same in every row:
+    # each prompt goes through the model once, into a KV cache its rows read (--share_prompt). Stages 5-7 decide
+    # alike, so that the reference and old log-probs are the policy's to the bit. A checkpointed layer drops the cache
+    # (replayed in backward, it would write it twice), so with gradient checkpointing every row takes its prompt.
+    share_prompt = bool(args.share_prompt) and not policy.is_activation_checkpointing
     # 5. Reference log-probs, when beta > 0, unless the batch brings them.
     ref_logps = batch.ref_logps
     if ref_logps is None and run.ref_model is not None:
-        ref_logps = logps_without_grad(run.ref_model, batch.input_ids, batch.attention_mask, T, parts, args)
+        ref_logps = logps_without_grad(run.ref_model, batch.input_ids, batch.attention_mask, T, parts, args,
+                                       share_prompt)
     # 6. Old log-probs, unless the batch brings the sampler's. With mu > 1 they are the policy's before the first
     # update, kept fixed through all mu, so that the later updates' ratios move and clip.
     old_logps = batch.old_logps
     if old_logps is None and args.num_iterations > 1:
-        old_logps = logps_without_grad(policy, batch.input_ids, batch.attention_mask, T, parts, args)
+        old_logps = logps_without_grad(policy, batch.input_ids, batch.attention_mask, T, parts, args, share_prompt)
 
     update_stats = {"learning_rate": run.scheduler.get_last_lr()[0], "entropy_coef_applied": alpha, "N": N}
     entropy_sum = torch.zeros((), device=device)
@@ -287,13 +294,12 @@ def train_on_batch(args, run, batch, state):
             D = loss_divisor(args.loss_type, num_rows, m.shape[0], N, run.world, args.max_gen_len)
             # 7. Current log-probs, through the DDP wrapper so that backward syncs the gradients.
             # The entropy is measured on the first update, and kept in the graph only if a bonus uses it.
-            # Rows of one prompt share its KV cache (--share_prompt), here as in stages 2, 5 and 6: the same log-probs,
-            # and the prompt's gradient is the sum of its rows'.
+            # With a shared prompt, the prompt's gradient is the sum of its rows'.
             with autocast(args, device):
                 logps, entropy, aux = completion_logps(
                     run.model, batch.input_ids[part], batch.attention_mask[part], T, temperature=args.temperature,
                     chunk_size=args.logp_chunk_size, entropy_grad=alpha != 0.0,
-                    with_entropy=iteration == 0 or alpha != 0.0, share_prompt=bool(args.share_prompt))
+                    with_entropy=iteration == 0 or alpha != 0.0, share_prompt=share_prompt)
             # On-policy (mu = 1) the old log-probs are logp.detach(): the ratio is 1, and its gradient is dlogp.
             old = logps.detach() if old_logps is None else old_logps[part]
             ref = None if ref_logps is None else ref_logps[part]
@@ -305,8 +311,8 @@ def train_on_batch(args, run, batch, state):
             # 11. The bonus is the token mean of H over this micro-batch, whatever the loss type (TRL).
             if alpha != 0.0:
                 loss = loss - alpha * share * (entropy * m).sum() / m.sum().clamp(min=1)
-            # 12. A mixture of experts adds its router's load-balancing loss. With --share_prompt its routers see
-            # each prompt once per micro-batch, so a prompt weighs in it as one row, not G.
+            # 12. A mixture of experts adds its router's load-balancing loss. With a shared prompt the routers see
+            # each prompt's tokens once per micro-batch, not once per row (router_loss).
             if aux is not None:
                 loss = loss + policy.config.router_aux_loss_coef * share * aux
                 sums["aux"] += share * aux.detach()
@@ -400,14 +406,14 @@ def autocast(args, device):
     return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def logps_without_grad(model, input_ids, attention_mask, T, parts, args):
+def logps_without_grad(model, input_ids, attention_mask, T, parts, args, share_prompt):
     """Reference or old log-probs [rows, T]: no graph, one micro-batch at a time like every other pass."""
     logps = []
     with torch.no_grad(), autocast(args, input_ids.device):
         for part in parts:
             logps.append(completion_logps(model, input_ids[part], attention_mask[part], T,
                                           temperature=args.temperature, chunk_size=args.logp_chunk_size,
-                                          with_entropy=False, share_prompt=bool(args.share_prompt))[0])
+                                          with_entropy=False, share_prompt=share_prompt)[0])
     return torch.cat(logps)
 
 
@@ -419,7 +425,8 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     exist at once: a chunk's do, beside the model's own for each row's last position (a few chunks with grad). At a
     real vocabulary a chunk is a small part of the batch (110 tokens at Qwen's 151,936), at the toy's all of it.
     With grad, call it with the DDP wrapper: the wrapper's forward is what syncs the gradients.
-    share_prompt: rows with equal prompts (a group, or the part of one the micro-batch holds) forward it once.
+    share_prompt: each run of rows with one prompt (a group, or the part of it the micro-batch holds) forwards the
+    prompt once, and the rows forward on its KV cache (forward_on_prompt_cache).
     """
     T = num_completion_tokens
     # Positions count real tokens only, as generate() counted them under left padding.
@@ -429,9 +436,8 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     # Without grad the bare module is enough, and it skips DDP's buffer broadcast.
     net = model if grad else unwrap(model)
     bare = unwrap(model)
-    # A checkpointed layer drops the cache, since replaying it in backward would write it twice: then all rows go
-    # through whole. A prompt of one token has nothing to share.
-    if share_prompt and not (grad and bare.is_activation_checkpointing) and input_ids.shape[1] - T > 1:
+    # A prompt of one token has nothing to cache.
+    if share_prompt and input_ids.shape[1] - T > 1:
         hidden, aux = forward_on_prompt_cache(net, input_ids, attention_mask, position_ids, T, moe)
     else:
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
@@ -698,6 +704,9 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
             cache.batch_repeat_interleave(group_size)
         out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
                               cache=cache)
+        # generate() caches every token but the last it sampled. A model that made a cache of its own sampled blind.
+        if cache is not None and cache.get_seq_length() != out.shape[1] - 1:
+            raise TrainerError("--share_prompt 1: the model did not read its prompt's KV cache; run with --share_prompt 0")
     finally:
         policy.generation_config = checkpoint_config
         policy.train(was_training)
@@ -830,6 +839,7 @@ def forward_on_prompt_cache(model, input_ids, attention_mask, position_ids, T, m
     decoder; the rows then forward their last prompt token and T - 1 completion tokens on it, through `model` (the
     DDP wrapper, with grad), whose outputs reach the cache's graph. Those T positions are the ones that predict."""
     P = input_ids.shape[1] - T
+    # A row starts a new prompt where its prompt (ids and padding) differs from the row above it.
     prompts = torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1)
     starts = torch.ones(len(prompts), dtype=torch.bool, device=prompts.device)
     starts[1:] = (prompts[1:] != prompts[:-1]).any(1)
@@ -863,7 +873,7 @@ def forward_on_prompt_cache(model, input_ids, attention_mask, position_ids, T, m
 
 def router_loss(router_logits, token_mask, num_experts, top_k):
     # Switch Transformer's load balance, as transformers computes it: E * sum_e f_e * p_e over every layer's real
-    # tokens, f_e the share of top-k picks that go to expert e, p_e the mean router probability of e.
+    # tokens, f_e the fraction of tokens whose top k picks expert e (they sum to k), p_e e's mean router probability.
     probs = torch.cat([logits.float().softmax(-1) for logits in router_logits])
     m = token_mask.float().repeat(len(router_logits)).unsqueeze(1)
     picks = torch.nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).sum(1)
@@ -1534,6 +1544,8 @@ def resumed_args(args, typed, ckpt, parser):
         with open(os.path.join(ckpt or folder, "args.json")) as f:
             saved = json.load(f)
         trained_by = saved.pop("world_size", world)
+        # A run from before --share_prompt forwarded each row's whole prompt.
+        saved.setdefault("share_prompt", 0)
         resumed = Args(**{**saved, **typed, **this_command})
         if ckpt:
             trained_by = len(glob.glob(os.path.join(ckpt, "rng_state_*.pt")))
@@ -1558,6 +1570,8 @@ def resumed_args(args, typed, ckpt, parser):
         # bnpo, the router loss and the entropy bonus average each micro-batch: there its size is part of the loss.
         fixed |= name == "micro_batch_size" and bool(resumed.loss_type == "bnpo" or moe
                                                      or resumed.entropy_coef or resumed.use_adaptive_entropy)
+        # With a shared prompt, checkpointing decides whether the router loss counts a prompt once or once per row.
+        fixed |= name == "gradient_checkpointing" and moe and bool(resumed.share_prompt)
         # The resolved value is compared, so that epsilon_high's -1 reads as the epsilon it stands for.
         value = getattr(resumed, name)
         if fixed and name in saved and value != saved[name]:
@@ -1577,7 +1591,11 @@ def resumed_args(args, typed, ckpt, parser):
         parser.error(f"--resume {ckpt}: {latest} is later; continue with --resume auto, or branch from it into a "
                      f"new folder with --resume {ckpt} --save_dir NEW")
     rank0 = os.environ.get("RANK", "0") == "0"
-    changed = [f"--{n}" for n in ("micro_batch_size", "logp_chunk_size") if getattr(resumed, n) != saved.get(n)]
+    watched = ["micro_batch_size", "logp_chunk_size"]
+    if resumed.share_prompt:
+        # Checkpointing moves stages 5-7 between a shared prompt and whole rows: the same sums in another order.
+        watched.append("gradient_checkpointing")
+    changed = [f"--{n}" for n in watched if getattr(resumed, n) != saved.get(n)]
     if ckpt and changed and rank0:
         print(f"note: {' and '.join(changed)} changed at this resume: the run goes on, but the last bits of its sums "
               f"differ, so it is no longer bitwise the run that never stopped")

@@ -52,7 +52,9 @@ def one_step(**flags):
     optimizer.register_step_pre_hook(lambda *_: applied.append(
         torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item()))
     state = tg.TrainState(entropy_coef=args.entropy_coef, entropy_coef_applied=args.entropy_coef)
-    calls = {"rollout": [], "lm_logits": [], "logp_rows": [], "prompt_width": []}
+    calls = {"rollout": [], "lm_logits": [], "logp_rows": [], "prompt_width": [], "decoder_tokens": []}
+    hook = model.get_decoder().register_forward_pre_hook(   # every token through the model, rollout included
+        lambda module, a, kw: calls["decoder_tokens"].append(kw["input_ids"].numel()), with_kwargs=True)
     real_rollout, real_head, real_logps = tg.rollout, tg.lm_logits, tg.completion_logps
 
     def rollout(*a, **k):
@@ -74,6 +76,7 @@ def one_step(**flags):
         record, _ = tg.grpo_step(args, run, train_rows[:args.batch_size], state)
     finally:
         tg.rollout, tg.lm_logits, tg.completion_logps = real_rollout, real_head, real_logps
+        hook.remove()
     record["lr_next"] = scheduler.get_last_lr()[0]             # the step moved the schedule
     delta = {k: (v - before[k]) for k, v in model.state_dict().items()}
     return Run(record=record, delta=delta, tokens=calls["rollout"][0], state=state, calls=calls, args=args,
@@ -128,6 +131,10 @@ FLAGS = {
                             and f.calls["prompt_width"] == [3])],
     "max_gen_len": [step(3, lambda d, f: tokens_shape(f) == 3 and tokens_shape(d) == 6)],
     "temperature": [step(0.5, lambda d, f: f.record["entropy"] < d.record["entropy"])],
+    # 0: each row forwards its whole prompt, in the rollout's prefill and the training forward
+    "share_prompt": [step(0, lambda d, f: f.calls["decoder_tokens"][0] == 8 * f.calls["prompt_width"][0]
+                          and d.calls["decoder_tokens"][0] == 2 * (d.calls["prompt_width"][0] - 1)
+                          and sum(f.calls["decoder_tokens"]) > sum(d.calls["decoder_tokens"]))],
     "mask_truncated_completions": [step(1, lambda d, f: d.record["truncated_frac"] > 0
                                         and f.record["loss"] != d.record["loss"])],
     # objective: the second update (mu = 2) moved away from the frozen reference

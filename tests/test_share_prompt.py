@@ -2,6 +2,7 @@
 checked against the plain path (--share_prompt 0), where each row forwards its whole prompt; the plain path itself is
 checked against naive references in the other files."""
 import copy
+import json
 
 import pytest
 import torch
@@ -199,3 +200,26 @@ def test_a_step_samples_its_groups_on_one_prefill_per_prompt(share):
         hooks[0].remove()
     P = len(rows[0]["prompt"])                                   # one token a character, no BOS
     assert calls[:2] == ([(B, P - 1), (B * G, 1)] if share else [(B * G, P), (B * G, 1)])
+
+
+def test_a_resume_keeps_its_runs_prompt_rule(tmp_path, capsys):
+    # A run from before --share_prompt (its args.json lacks the flag) goes on with whole rows. Under a shared
+    # prompt, checkpointing changes the sums' order (a note) and, for an MoE, what the router loss counts (refused).
+    from helpers import FAST
+    from test_cli import in_process, one_line_error
+    common = [*FAST, "--max_steps", "3", "--stop_after", "1", "--save_interval", "1"]
+    for moe in ("0", "1"):
+        tg.main([*common, "--use_moe", moe, "--save_dir", str(tmp_path / moe)])
+    for path in (tmp_path / "0" / "args.json", tmp_path / "0" / "checkpoint-1" / "args.json"):
+        saved = json.loads(path.read_text())
+        saved.pop("share_prompt")
+        path.write_text(json.dumps(saved))
+    assert tg.parse_args(["--resume", "auto", "--save_dir", str(tmp_path / "0")]).share_prompt == 0
+    line = one_line_error(in_process(capsys, "--gradient_checkpointing", "1", "--resume", "auto", "--save_dir",
+                                     tmp_path / "1"))
+    assert "--gradient_checkpointing 1 differs from 0" in line
+    (tmp_path / "0" / "args.json").write_text(json.dumps({**saved, "share_prompt": 1}))
+    (tmp_path / "0" / "checkpoint-1" / "args.json").write_text(json.dumps({**saved, "share_prompt": 1}))
+    capsys.readouterr()
+    tg.parse_args(["--gradient_checkpointing", "1", "--resume", "auto", "--save_dir", str(tmp_path / "0")])
+    assert "--gradient_checkpointing changed at this resume" in capsys.readouterr().out
