@@ -425,8 +425,8 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
     exist at once: a chunk's do, beside the model's own for each row's last position (a few chunks with grad). At a
     real vocabulary a chunk is a small part of the batch (110 tokens at Qwen's 151,936), at the toy's all of it.
     With grad, call it with the DDP wrapper: the wrapper's forward is what syncs the gradients.
-    share_prompt: each run of rows with one prompt (a group, or the part of it the micro-batch holds) forwards the
-    prompt once, and the rows forward on its KV cache (forward_on_prompt_cache).
+    share_prompt: each distinct prompt of the rows (a group's, or the part of a group the micro-batch holds) is
+    forwarded once, and its rows forward on its KV cache (forward_on_prompt_cache).
     """
     T = num_completion_tokens
     # Positions count real tokens only, as generate() counted them under left padding.
@@ -615,7 +615,8 @@ def clip_grad_norm(model, max_norm):
 # Above: the config, one step, and every formula of the update. Below: the plumbing the step calls, by names that say
 # what it does. A formula also rests on some of it: lm_logits (a model's logit scale or softcap), eos_token_ids (the
 # ids that end a completion, so the mask m), world_mean_and_std (the std of --scale_rewards batch over all ranks),
-# frozen_copy (the reference's dtype rule) and the built-in tasks' reward functions. Then come the loop, the tasks,
+# frozen_copy (the reference's dtype rule), forward_on_prompt_cache (which positions predict, with a shared prompt),
+# router_loss (an MoE's load balance then) and the built-in tasks' reward functions. Then come the loop, the tasks,
 # models, processes, flags, checkpoints and logging.
 # ===============================================================================================================
 
@@ -835,17 +836,17 @@ def forward_last_hidden(model, **inputs):
 
 def forward_on_prompt_cache(model, input_ids, attention_mask, position_ids, T, moe):
     """The hidden states that predict the last T tokens [rows, T, H], and an MoE's router loss or None, with each
-    run of rows with equal prompts forwarded once. The first P - 1 prompt tokens fill a KV cache through the bare
-    decoder; the rows then forward their last prompt token and T - 1 completion tokens on it, through `model` (the
-    DDP wrapper, with grad), whose outputs reach the cache's graph. Those T positions are the ones that predict."""
+    distinct prompt forwarded once. Its first P - 1 tokens fill a KV cache through the bare decoder; the rows then
+    forward their last prompt token and T - 1 completion tokens on it, through `model` (the DDP wrapper, with grad),
+    whose outputs reach the cache's graph. Those T positions are the ones that predict."""
     P = input_ids.shape[1] - T
-    # A row starts a new prompt where its prompt (ids and padding) differs from the row above it.
-    prompts = torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1)
-    starts = torch.ones(len(prompts), dtype=torch.bool, device=prompts.device)
-    starts[1:] = (prompts[1:] != prompts[:-1]).any(1)
-    prompt_of_row = starts.cumsum(0) - 1
+    # The distinct prompts, ids and padding alike, and which of them each row holds.
+    prompts, prompt_of_row = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0,
+                                          return_inverse=True)
+    prefix_ids = prompts[:, :P - 1]
+    prefix_mask = prompts[:, P:2 * P - 1]
     router = {"output_router_logits": True} if moe else {}
-    cache, prompt_out = prompt_cache(model, input_ids[starts, :P - 1], attention_mask[starts, :P - 1], **router)
+    cache, prompt_out = prompt_cache(model, prefix_ids, prefix_mask, **router)
     # Each row reads its prompt's cache. Under grad the copies' gradients add up in the prompt's.
     cache.batch_select_indices(prompt_of_row)
     caught = []
@@ -866,7 +867,7 @@ def forward_on_prompt_cache(model, input_ids, attention_mask, position_ids, T, m
         return caught[0].last_hidden_state, None
     # The router loss sees each prompt token once, and every token that predicts one.
     logits = [torch.cat(pair) for pair in zip(prompt_out.router_logits, caught[0].router_logits)]
-    tokens = torch.cat([attention_mask[starts, :P - 1].reshape(-1), attention_mask[:, P - 1:-1].reshape(-1)])
+    tokens = torch.cat([prefix_mask.reshape(-1), attention_mask[:, P - 1:-1].reshape(-1)])
     bare = unwrap(model)
     return caught[0].last_hidden_state, router_loss(logits, tokens, bare.num_experts, bare.num_experts_per_tok)
 
@@ -1407,6 +1408,11 @@ def load_model_and_tokenizer(args, device):
             tokenizer.pad_token = tokenizer.eos_token
         if args.use_moe and not is_moe(model):
             raise TrainerError(f"--use_moe 1 but {name} is a dense {model.config.model_type}")
+        from transformers import DynamicCache
+        # A linear-attention layer caches one recurrent state of the whole prompt, which rows cannot select or extend.
+        if args.share_prompt and any(DynamicCache(config=model.config).is_linear):
+            raise TrainerError(f"--share_prompt 1: {name} caches recurrent states, not keys and values; run with "
+                               f"--share_prompt 0")
     model.to(device=device, dtype=torch.float32)
     disable_dropout(model)
     check_output_head(model)

@@ -37,7 +37,7 @@ def test_ranks_end_bitwise_identical_with_one_entropy_coefficient():
 
 def test_an_moe_run_whose_micro_batches_split_groups_ends_bitwise_identical_on_both_ranks():
     # --share_prompt 1 (the default): each prompt forwarded once per micro-batch of 6 rows (groups of 4 split),
-    # through the bare decoder, then its rows through the DDP wrapper, which finds unused experts.
+    # through the bare decoder, then its rows through the DDP wrapper.
     r0, r1 = two_ranks("moe_train")
     assert identical(r0["params"], r1["params"])
     assert all(not set(p0) & set(p1) for p0, p1 in zip(r0["prompts"], r1["prompts"]))

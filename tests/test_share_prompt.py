@@ -223,3 +223,39 @@ def test_a_resume_keeps_its_runs_prompt_rule(tmp_path, capsys):
     capsys.readouterr()
     tg.parse_args(["--gradient_checkpointing", "1", "--resume", "auto", "--save_dir", str(tmp_path / "0")])
     assert "--gradient_checkpointing changed at this resume" in capsys.readouterr().out
+
+
+def test_rows_of_one_prompt_share_it_wherever_they_sit():
+    # A fork may interleave its groups (row i holds prompt i % B): each distinct prompt is still forwarded once.
+    model, tok = tiny()
+    batch = batch_of(model, tok)
+    order = torch.arange(B * G).view(B, G).t().reshape(-1)     # rows 0, 4, 8, 12, 1, 5, ...
+    ids, am, mask = batch["input_ids"][order], batch["attention_mask"][order], batch["mask"][order]
+    T = mask.shape[1]
+    calls, hooks = decoder_calls(model)
+    with torch.no_grad():
+        plain = tg.completion_logps(model, ids, am, T)[0]
+        shared = tg.completion_logps(model, ids, am, T, share_prompt=True)[0]
+    hooks[0].remove()
+    P = ids.shape[1] - T
+    assert calls == [(B * G, P + T), (B, P - 1), (B * G, T)]
+    torch.testing.assert_close(shared[mask.bool()], plain[mask.bool()], rtol=0, atol=1e-5)
+
+
+def test_a_model_that_caches_recurrent_states_is_refused_before_any_work(tmp_path):
+    # A linear-attention layer keeps one state of the whole prompt, which rows cannot select or extend.
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    _, tok = tiny()
+    config = Qwen3NextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+                             linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=0,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen3NextForCausalLM(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    args = tg.parse_args(["--model_name_or_path", str(tmp_path), "--dataset", "compare_numbers", "--save_dir",
+                          str(tmp_path / "run")])
+    with pytest.raises(tg.TrainerError, match="caches recurrent states, not keys and values; run with --share_prompt 0"):
+        tg.load_model_and_tokenizer(args, torch.device("cpu"))
+    args = tg.parse_args(["--model_name_or_path", str(tmp_path), "--dataset", "compare_numbers", "--share_prompt", "0",
+                          "--save_dir", str(tmp_path / "run")])
+    tg.load_model_and_tokenizer(args, torch.device("cpu"))
