@@ -215,7 +215,8 @@ def collect_batch(args, run, prompt_rows):
     # that is the distribution the ratio scores. The mask keeps each completion up to and including its first EOS.
     # A group's G rows share one prompt, and causal attention makes its keys and values the same in each row. So with
     # --share_prompt the rollout prefills each prompt once and its G rows sample on that KV cache, except on CUDA,
-    # whose static cache is made for every row. The model then sees B*(P - 1) + B*G*T tokens, not B*G*(P + T).
+    # whose static cache is made for every row. The model then sees at most B*(P - 1) + B*G*T tokens, not
+    # B*G*(P + T - 1).
     started = time.time()
     with autocast(args, device):
         completion_ids, mask, truncated = rollout(policy, prompt_ids, prompt_mask, tokenizer,
@@ -312,7 +313,7 @@ def train_on_batch(args, run, batch, state):
             if alpha != 0.0:
                 loss = loss - alpha * share * (entropy * m).sum() / m.sum().clamp(min=1)
             # 12. A mixture of experts adds its router's load-balancing loss. With a shared prompt the routers see
-            # each prompt's tokens once per micro-batch, not once per row (router_loss).
+            # each prompt's tokens but its last once per micro-batch, not once per row (forward_on_prompt_cache).
             if aux is not None:
                 loss = loss + policy.config.router_aux_loss_coef * share * aux
                 sums["aux"] += share * aux.detach()
@@ -841,8 +842,8 @@ def forward_on_prompt_cache(model, input_ids, attention_mask, position_ids, T, m
     whose outputs reach the cache's graph. Those T positions are the ones that predict."""
     P = input_ids.shape[1] - T
     # The distinct prompts, ids and padding alike, and which of them each row holds.
-    prompts, prompt_of_row = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0,
-                                          return_inverse=True)
+    prompts, prompt_of_row = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], 1),
+                                          dim=0, return_inverse=True)
     prefix_ids = prompts[:, :P - 1]
     prefix_mask = prompts[:, P:2 * P - 1]
     router = {"output_router_logits": True} if moe else {}
@@ -865,7 +866,7 @@ def forward_on_prompt_cache(model, input_ids, attention_mask, position_ids, T, m
         raise TrainerError("--share_prompt 1: the model did not read its prompt's KV cache; run with --share_prompt 0")
     if not moe:
         return caught[0].last_hidden_state, None
-    # The router loss sees each prompt token once, and every token that predicts one.
+    # The router loss sees each prompt's first P - 1 tokens once, and every row's T tokens that predict one.
     logits = [torch.cat(pair) for pair in zip(prompt_out.router_logits, caught[0].router_logits)]
     tokens = torch.cat([prefix_mask.reshape(-1), attention_mask[:, P - 1:-1].reshape(-1)])
     bare = unwrap(model)
@@ -1408,9 +1409,10 @@ def load_model_and_tokenizer(args, device):
             tokenizer.pad_token = tokenizer.eos_token
         if args.use_moe and not is_moe(model):
             raise TrainerError(f"--use_moe 1 but {name} is a dense {model.config.model_type}")
-        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
         # A linear-attention layer caches one recurrent state of the whole prompt, which rows cannot select or extend.
-        if args.share_prompt and any(DynamicCache(config=model.config).is_linear):
+        layers = DynamicCache(config=model.config).layers
+        if args.share_prompt and any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers):
             raise TrainerError(f"--share_prompt 1: {name} caches recurrent states, not keys and values; run with "
                                f"--share_prompt 0")
     model.to(device=device, dtype=torch.float32)

@@ -177,10 +177,14 @@ def test_under_bfloat16_a_shared_prompt_stays_within_bfloat16_rounding():
     batch = batch_of(model, tok)
     T = batch["mask"].shape[1]
     logps = {}
+    calls, hooks = decoder_calls(model)
     for share in (False, True):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             logps[share] = tg.completion_logps(model, batch["input_ids"], batch["attention_mask"], T,
                                                share_prompt=share)[0]
+    hooks[0].remove()
+    P = batch["input_ids"].shape[1] - T
+    assert calls == [(B * G, P + T), (B, P - 1), (B * G, T)]
     m = batch["mask"].bool()
     torch.testing.assert_close(logps[True][m], logps[False][m], rtol=0, atol=0.05)
 
