@@ -708,7 +708,8 @@ def rollout(policy, input_ids, attention_mask, tokenizer, *, max_gen_len, do_sam
                               cache=cache)
         # generate() caches every token but the last it sampled. A model that made a cache of its own sampled blind.
         if cache is not None and cache.get_seq_length() != out.shape[1] - 1:
-            raise TrainerError("--share_prompt 1: the model did not read its prompt's KV cache; run with --share_prompt 0")
+            raise TrainerError("--share_prompt 1: the model did not read its prompt's KV cache; run with "
+                               "--share_prompt 0")
     finally:
         policy.generation_config = checkpoint_config
         policy.train(was_training)
