@@ -445,10 +445,10 @@ def completion_logps(model, input_ids, attention_mask, num_completion_tokens, *,
         if moe:
             inputs["output_router_logits"] = True
         # The decoder's last hidden state [rows, P + T, H], caught on its way to the model's own lm_head.
-        hidden, out = forward_last_hidden(net, **inputs)
+        decoded, out = forward_last_hidden(net, **inputs)
         aux = out.aux_loss if moe else None
         # The hidden state before token t predicts token t.
-        hidden = hidden[:, -T - 1:-1, :]
+        hidden = decoded.last_hidden_state[:, -T - 1:-1, :]
     targets = input_ids[:, -T:]
     rows = targets.shape[0]
     vocab = bare.get_output_embeddings().weight.shape[0]
@@ -824,15 +824,20 @@ def is_moe(model):
     return hasattr(unwrap(model).config, "router_aux_loss_coef")
 
 
-def forward_last_hidden(model, **inputs):
-    """model(**inputs) and the decoder's last hidden state, hooked: output_hidden_states would keep every layer's."""
+def forward_last_hidden(model, decoder_kwargs=None, **inputs):
+    """model(**inputs) and the decoder's output, hooked for its last hidden state: output_hidden_states would keep
+    every layer's. decoder_kwargs reach the decoder alone."""
     caught = []
-    hook = unwrap(model).get_decoder().register_forward_hook(
-        lambda module, args, out: caught.append(out.last_hidden_state))
+    decoder = unwrap(model).get_decoder()
+    hooks = [decoder.register_forward_hook(lambda module, args, out: caught.append(out))]
+    if decoder_kwargs:
+        hooks.append(decoder.register_forward_pre_hook(
+            lambda module, args, kwargs: (args, {**kwargs, **decoder_kwargs}), with_kwargs=True))
     try:
         out = model(**inputs, logits_to_keep=1)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     return caught[0], out
 
 
@@ -851,27 +856,20 @@ def forward_on_prompt_cache(model, input_ids, attention_mask, position_ids, T, m
     cache, prompt_out = prompt_cache(model, prefix_ids, prefix_mask, **router)
     # Each row reads its prompt's cache. Under grad the copies' gradients add up in the prompt's.
     cache.batch_select_indices(prompt_of_row)
-    caught = []
-    decoder = unwrap(model).get_decoder()
-    hook = decoder.register_forward_hook(lambda module, args, out: caught.append(out))
     # The decoder hands back its routers' logits, and the model around it computes no router loss of its own:
     # transformers' would count the cached tokens in its mask but not in its logits.
-    ask = decoder.register_forward_pre_hook(lambda module, args, kwargs: (args, {**kwargs, **router}), with_kwargs=True)
-    try:
-        model(input_ids=input_ids[:, P - 1:-1], attention_mask=attention_mask[:, :-1],
-              position_ids=position_ids[:, P - 1:-1], cache=cache, use_cache=True, logits_to_keep=1)
-    finally:
-        hook.remove()
-        ask.remove()
+    decoded, _ = forward_last_hidden(model, router, input_ids=input_ids[:, P - 1:-1],
+                                     attention_mask=attention_mask[:, :-1], position_ids=position_ids[:, P - 1:-1],
+                                     cache=cache, use_cache=True)
     if cache.get_seq_length() != input_ids.shape[1] - 1:
         raise TrainerError("--share_prompt 1: the model did not read its prompt's KV cache; run with --share_prompt 0")
     if not moe:
-        return caught[0].last_hidden_state, None
+        return decoded.last_hidden_state, None
     # The router loss sees each prompt's first P - 1 tokens once, and every row's T tokens that predict one.
-    logits = [torch.cat(pair) for pair in zip(prompt_out.router_logits, caught[0].router_logits)]
+    logits = [torch.cat(pair) for pair in zip(prompt_out.router_logits, decoded.router_logits)]
     tokens = torch.cat([prefix_mask.reshape(-1), attention_mask[:, P - 1:-1].reshape(-1)])
     bare = unwrap(model)
-    return caught[0].last_hidden_state, router_loss(logits, tokens, bare.num_experts, bare.num_experts_per_tok)
+    return decoded.last_hidden_state, router_loss(logits, tokens, bare.num_experts, bare.num_experts_per_tok)
 
 
 def router_loss(router_logits, token_mask, num_experts, top_k):
@@ -1451,9 +1449,9 @@ def check_output_head(model):
     # Eight ids spread over the vocabulary by a large prime, so that the probe is not only the first few tokens.
     ids = (torch.arange(3, 11, device=model.device) * 7919 % vocab)[None]
     was_training = model.training
-    last, out = forward_last_hidden(model.eval(), input_ids=ids, use_cache=False)
+    decoded, out = forward_last_hidden(model.eval(), input_ids=ids, use_cache=False)
     model.train(was_training)
-    ours = lm_logits(model, last[:, -1:]).float()
+    ours = lm_logits(model, decoded.last_hidden_state[:, -1:]).float()
     theirs = out.logits.float()
     if not torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * theirs.abs().max().item()):
         gap = (ours - theirs).abs().max().item()
